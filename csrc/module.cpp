@@ -1,0 +1,53 @@
+// The pybind11 module distributed_ext._C: the narrow native API (pointers, lengths, tensors).
+#include <torch/extension.h>
+
+#include "device_copy.h"
+#include "segments.h"
+
+#ifndef DEXT_TORCH_VERSION
+#error "setup.py defines DEXT_TORCH_VERSION (the torch the extension is compiled against)"
+#endif
+#ifndef DEXT_CUDA_VERSION
+#define DEXT_CUDA_VERSION
+#endif
+
+#define DEXT_STR2(x) #x
+#define DEXT_STR(x) DEXT_STR2(x)
+
+namespace {
+
+// A plain string in the binary, so that distributed_ext/_native.py can say what a module that
+// fails to load was built for by reading the file, without loading it.
+extern "C" __attribute__((used)) const char kDextBuildStamp[] =
+    "DEXT_BUILD_STAMP{torch=" DEXT_STR(DEXT_TORCH_VERSION) ";cuda=" DEXT_STR(DEXT_CUDA_VERSION)
+    ";python=" DEXT_STR(PY_MAJOR_VERSION) "." DEXT_STR(PY_MINOR_VERSION) "}";
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["torch"] = std::string(DEXT_STR(DEXT_TORCH_VERSION));
+  info["cuda"] = std::string(DEXT_STR(DEXT_CUDA_VERSION));
+  info["python"] = std::to_string(PY_MAJOR_VERSION) + "." + std::to_string(PY_MINOR_VERSION);
+  info["with_cuda"] = distributed_ext::built_with_cuda();
+  info["abi"] = static_cast<bool>(_GLIBCXX_USE_CXX11_ABI);
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "distributed_ext compiled core: segment packing and device copies";
+  m.def("build_info", &build_info, "What this module was compiled for.");
+  m.def("pack_segments", &distributed_ext::pack_segments, pybind11::arg("dst"),
+        pybind11::arg("table"),
+        "Copy rows (src_ptr, dst_offset, nbytes) into dst; GIL released.");
+  m.def("unpack_segments", &distributed_ext::unpack_segments, pybind11::arg("src"),
+        pybind11::arg("table"),
+        "Copy rows (dst_ptr, src_offset, nbytes) out of src; GIL released.");
+  m.def("copy_bytes", &distributed_ext::copy_bytes, pybind11::arg("dst_ptr"),
+        pybind11::arg("src_ptr"), pybind11::arg("nbytes"),
+        "Copy nbytes between raw host pointers; GIL released.");
+  m.def("built_with_cuda", &distributed_ext::built_with_cuda);
+  m.def("copy_async", &distributed_ext::copy_async, pybind11::arg("dst_ptr"),
+        pybind11::arg("src_ptr"), pybind11::arg("nbytes"), pybind11::arg("stream"),
+        "Enqueue a cudaMemcpyAsync on a stream (CUDA build only).");
+}

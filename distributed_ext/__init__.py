@@ -1,0 +1,56 @@
+"""distributed_ext: torch.distributed made safe and fast for multi-GB checkpoint work.
+
+Importing it loads the compiled core (or fails loudly) and initializes nothing: no CUDA, no
+NCCL, no process group.
+"""
+
+from distributed_ext._native import build_info
+from distributed_ext.collectives import (
+    all_reduce,
+    allgather,
+    allreduce,
+    broadcast,
+    broadcast_from,
+    master_only,
+)
+from distributed_ext.groups import DistributedProcessGroup, ParallelState
+from distributed_ext.runtime import (
+    DistributedState,
+    abort,
+    backend,
+    barrier,
+    distributed_run,
+    is_available,
+    is_distributed_launch,
+    is_distributed_run,
+    is_initialized,
+    is_master,
+    rank,
+    size,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistributedProcessGroup",
+    "DistributedState",
+    "ParallelState",
+    "abort",
+    "all_reduce",
+    "allgather",
+    "allreduce",
+    "backend",
+    "barrier",
+    "broadcast",
+    "broadcast_from",
+    "build_info",
+    "distributed_run",
+    "is_available",
+    "is_distributed_launch",
+    "is_distributed_run",
+    "is_initialized",
+    "is_master",
+    "master_only",
+    "rank",
+    "size",
+]

@@ -1,0 +1,228 @@
+"""Collectives that fail together: every rank agrees on every rank's status before data moves.
+
+A stage that can fail on one rank first runs locally, then every rank joins one small
+collective (an all-gather, or a broadcast from the only rank that runs the stage) of a
+fixed-size status record: ok / error / exit, the error's type and message, a label, and a few
+integers (sizes). Only if every rank is ok does data move. A failure therefore travels as data
+and every rank raises, the failing rank its own error and the others a RuntimeError naming the
+first cause (torch ``collective_utils`` style); no rank waits in a collective its peers skipped,
+and the group stays usable afterwards.
+
+The record is plain bytes (struct-packed), never pickle, so the same machinery serves the
+transports that promise never to unpickle (gather_bytes).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+OK, ERROR, EXIT = 0, 1, 2
+RECORD_BYTES = 2048
+N_FIELDS = 8
+_MAGIC = b"DXS1"
+_HEADER = struct.Struct(f"<4sBq{N_FIELDS}qHHH")
+_MAX_LABEL, _MAX_TYPE, _MAX_MESSAGE = 256, 128, 1024
+
+
+def _clip(text: str, limit: int) -> bytes:
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return raw
+    return raw[: limit - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
+
+
+@dataclass
+class Status:
+    """One rank's status in a stage. ``exc`` stays local; the rest travels."""
+
+    kind: int = OK
+    code: int = 0
+    fields: tuple[int, ...] = (0,) * N_FIELDS
+    label: str = ""
+    error_type: str = ""
+    message: str = ""
+    exc: BaseException | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == OK
+
+    @classmethod
+    def failed(cls, exc: BaseException, label: str = "") -> Status:
+        """The status of a stage that raised ``exc`` (SystemExit becomes an exit record)."""
+        if isinstance(exc, SystemExit):
+            code = exc.code
+            if code is None:
+                number, message = 0, ""
+            elif isinstance(code, int):
+                number, message = code, ""
+            else:  # sys.exit("message") exits with 1 and prints the message
+                number, message = 1, str(code)
+            return cls(EXIT, number, label=label, error_type="SystemExit", message=message,
+                       exc=exc)
+        return cls(ERROR, 0, label=label, error_type=type(exc).__name__, message=str(exc),
+                   exc=exc)
+
+    def describe(self) -> str:
+        if self.kind == EXIT:
+            return f"SystemExit({self.code})"
+        return f"{self.error_type}: {self.message}" if self.message else self.error_type
+
+    def encode(self) -> torch.Tensor:
+        fields = tuple(self.fields) + (0,) * (N_FIELDS - len(self.fields))
+        label = _clip(self.label, _MAX_LABEL)
+        etype = _clip(self.error_type, _MAX_TYPE)
+        message = _clip(self.message, _MAX_MESSAGE)
+        head = _HEADER.pack(_MAGIC, self.kind, self.code, *fields, len(label), len(etype),
+                            len(message))
+        record = bytearray(RECORD_BYTES)
+        blob = head + label + etype + message
+        record[: len(blob)] = blob
+        return torch.frombuffer(record, dtype=torch.uint8)
+
+    @classmethod
+    def decode(cls, record: bytes) -> Status:
+        if len(record) != RECORD_BYTES or record[:4] != _MAGIC:
+            raise ValueError("status record from a peer is malformed (wrong size or magic); "
+                             "are all ranks running the same distributed_ext?")
+        magic, kind, code, *rest = _HEADER.unpack_from(record)
+        fields, (n_label, n_type, n_msg) = tuple(rest[:N_FIELDS]), rest[N_FIELDS:]
+        if kind not in (OK, ERROR, EXIT) or _HEADER.size + n_label + n_type + n_msg > RECORD_BYTES:
+            raise ValueError("status record from a peer is malformed (kind or lengths)")
+        pos = _HEADER.size
+        label = record[pos : pos + n_label].decode("utf-8", "replace")
+        pos += n_label
+        etype = record[pos : pos + n_type].decode("utf-8", "replace")
+        pos += n_type
+        message = record[pos : pos + n_msg].decode("utf-8", "replace")
+        return cls(kind, code, fields, label, etype, message)
+
+
+@dataclass
+class GroupContext:
+    """Where a collective runs: the group, its members' global ranks, and the tensor device."""
+
+    group: dist.ProcessGroup | None
+    rank: int  # this process's rank in the group
+    ranks: list[int]  # global rank of each group rank
+    device: torch.device
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank]
+
+    def group_rank_of(self, global_rank: int) -> int | None:
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            return None
+
+
+def resolve_collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """CPU tensors where the group has gloo (incl. ``cpu:gloo,cuda:nccl``), else the current GPU."""
+    name = str(dist.get_backend(group)).lower()
+    if "gloo" in name or "mpi" in name or "nccl" not in name:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_group(group: dist.ProcessGroup | None, what: str) -> GroupContext:
+    """The GroupContext of ``group`` for this process; ValueError if it is not a member."""
+    me = dist.get_rank(group=group)
+    if me < 0:
+        raise ValueError(
+            f"{what}: this process (global rank {dist.get_rank()}) is not a member of the "
+            "group passed; only the group's members call a collective on it"
+        )
+    if group is None:
+        ranks = list(range(dist.get_world_size()))
+    else:
+        ranks = list(dist.get_process_group_ranks(group))
+    return GroupContext(group, me, ranks, resolve_collective_device(group))
+
+
+def exchange(status: Status, ctx: GroupContext) -> list[Status]:
+    """All-gathers every rank's status record; returns them in group rank order."""
+    mine = status.encode().to(ctx.device)
+    out = [torch.empty_like(mine) for _ in range(ctx.size)]
+    dist.all_gather(out, mine, group=ctx.group)
+    return [Status.decode(bytes(tensor_bytes(t))) for t in out]
+
+
+def broadcast_status(status: Status | None, src: int, ctx: GroupContext) -> Status:
+    """Broadcasts the status record of global rank ``src`` (pass it there, None elsewhere)."""
+    if status is not None:
+        record = status.encode().to(ctx.device)
+    else:
+        record = torch.empty(RECORD_BYTES, dtype=torch.uint8, device=ctx.device)
+    dist.broadcast(record, src=src, group=ctx.group)
+    return Status.decode(bytes(tensor_bytes(record)))
+
+
+def tensor_bytes(t: torch.Tensor) -> bytearray:
+    """The bytes of a uint8 tensor (any device) as a new bytearray."""
+    out = bytearray(t.numel())
+    if out:
+        torch.frombuffer(out, dtype=torch.uint8).copy_(t.reshape(-1))
+    return out
+
+
+def raise_first_failure(what: str, statuses: list[Status], ctx: GroupContext,
+                        own: Status) -> None:
+    """Raises on this rank if any rank failed, the same way on every rank.
+
+    If any rank's failure is an error (not a SystemExit), a rank with such an error re-raises
+    its own and every other rank raises a RuntimeError naming the first one (in group rank
+    order). Else, if some ranks exited, every rank exits: a rank that exited with its own
+    SystemExit, the others with the first one's code.
+    """
+    failed = [(i, s) for i, s in enumerate(statuses) if not s.ok]
+    if not failed:
+        return
+    errors = [(i, s) for i, s in failed if s.kind == ERROR]
+    if errors:
+        if own.kind == ERROR and own.exc is not None:
+            raise own.exc
+        first_rank, first = errors[0]
+        raise RuntimeError(
+            f"{what}: rank {ctx.ranks[first_rank]} failed with {first.describe()}; "
+            f"every rank raises so that none waits in a collective that rank never joins"
+            + (f" ({len(errors)} ranks failed)" if len(errors) > 1 else "")
+        )
+    if own.kind == EXIT and own.exc is not None:
+        raise own.exc
+    first_rank, first = failed[0]
+    raise SystemExit(first.code)
+
+
+def allgather_payloads(payload: bytes, sizes: list[int], ctx: GroupContext) -> list[bytes]:
+    """All-gathers each rank's ``payload`` (``sizes`` agreed beforehand), padded to the largest."""
+    longest = max(sizes) if sizes else 0
+    if longest == 0:
+        return [b"" for _ in sizes]
+    buf = bytearray(longest)
+    buf[: len(payload)] = payload
+    mine = torch.frombuffer(buf, dtype=torch.uint8).to(ctx.device)
+    out = [torch.empty_like(mine) for _ in sizes]
+    dist.all_gather(out, mine, group=ctx.group)
+    return [bytes(tensor_bytes(t)[:n]) for t, n in zip(out, sizes)]
+
+
+def broadcast_payload(payload: bytes | None, nbytes: int, src: int, ctx: GroupContext) -> bytes:
+    """Broadcasts ``nbytes`` of ``payload`` from global rank ``src`` (None elsewhere)."""
+    if nbytes == 0:
+        return b""
+    if payload is not None:
+        t = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(ctx.device)
+    else:
+        t = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+    dist.broadcast(t, src=src, group=ctx.group)
+    return bytes(tensor_bytes(t))

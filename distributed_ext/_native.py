@@ -1,0 +1,124 @@
+"""The typed Python face of the compiled core ``distributed_ext._C``.
+
+The native API is narrow on purpose (safetensors-style): buffers are uint8 tensors, and
+everything else is raw pointers and lengths. Lifetime rule for every pointer handed across:
+the caller keeps the object that owns it alive (and, for a source, unmodified) until the call
+returns -- or, for :func:`copy_async`, until the stream has passed the copy.
+
+There is no pure-Python fallback: if the module does not load, importing ``distributed_ext``
+fails with what the module was built for next to what is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def _read_build_stamp(path: str) -> str:
+    """The build stamp compiled into the .so at ``path``, read as bytes (no loading)."""
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        return f"unreadable ({exc})"
+    match = re.search(rb"DEXT_BUILD_STAMP\{([^}]{0,200})\}", blob)
+    return match.group(1).decode("ascii", "replace") if match else "no build stamp found"
+
+
+def _installed() -> str:
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return f"torch={torch.__version__};cuda={torch.version.cuda or ''};python={py}"
+
+
+def _find_module_file() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = os.path.join(here, "_C" + suffix)
+        if os.path.exists(candidate):
+            return candidate
+    for name in sorted(os.listdir(here)):
+        if name.startswith("_C.") and name.endswith(".so"):
+            return os.path.join(here, name)
+    return None
+
+
+def _load() -> Any:
+    try:
+        from distributed_ext import _C  # type: ignore[attr-defined]
+    except ImportError as exc:
+        path = _find_module_file()
+        built = _read_build_stamp(path) if path else "not built (no _C module in the package)"
+        raise ImportError(
+            "distributed_ext: the compiled core distributed_ext._C did not load.\n"
+            f"  built for:  {built}\n"
+            f"  installed:  {_installed()}\n"
+            f"  cause:      {exc}\n"
+            "  fix: rebuild against the installed torch: "
+            "pip install --no-build-isolation --no-deps -e ."
+        ) from exc
+    info = _C.build_info()
+    if info["torch"] != torch.__version__:
+        raise ImportError(
+            "distributed_ext: the compiled core was built for another torch.\n"
+            f"  built for:  torch={info['torch']};cuda={info['cuda']};python={info['python']}\n"
+            f"  installed:  {_installed()}\n"
+            "  fix: rebuild: pip install --no-build-isolation --no-deps -e ."
+        )
+    return _C
+
+
+_C = _load()
+
+
+def build_info() -> dict[str, Any]:
+    """What the compiled core was built for: torch, CUDA ('' for a CPU build), Python, ABI."""
+    return dict(_C.build_info())
+
+
+def built_with_cuda() -> bool:
+    """Whether the compiled core has its CUDA half (csrc/cuda)."""
+    return bool(_C.built_with_cuda())
+
+
+def _table(rows: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    if len(rows) == 0:
+        return torch.empty((0, 3), dtype=torch.int64)
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+
+
+def pack_segments(dst: torch.Tensor, segments: Sequence[tuple[int, int, int]]) -> None:
+    """Copies each ``(src_ptr, dst_offset, nbytes)`` source into ``dst`` (a CPU uint8 tensor).
+
+    The GIL is released during the copy. Offsets and lengths are checked against ``dst``;
+    the source pointers are borrowed: the caller keeps their owners alive until this returns.
+    """
+    _C.pack_segments(dst, _table(segments))
+
+
+def unpack_segments(src: torch.Tensor, segments: Sequence[tuple[int, int, int]]) -> None:
+    """Copies ``src[src_offset : src_offset + nbytes]`` to each ``(dst_ptr, src_offset, nbytes)``.
+
+    The inverse of :func:`pack_segments`; the same checks and lifetime rule apply.
+    """
+    _C.unpack_segments(src, _table(segments))
+
+
+def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+    """Copies ``nbytes`` between two non-overlapping host buffers, GIL released, threads used."""
+    _C.copy_bytes(dst_ptr, src_ptr, nbytes)
+
+
+def copy_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: int) -> None:
+    """Enqueues a host<->device copy on the CUDA stream handle ``stream`` (CUDA build only).
+
+    Lifetime: both buffers stay alive, and the source unmodified, until the stream has passed
+    the copy (record an event on ``stream`` and wait on it before reusing either).
+    """
+    _C.copy_async(dst_ptr, src_ptr, nbytes, stream)

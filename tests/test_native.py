@@ -1,0 +1,190 @@
+"""The compiled core: segment pack/unpack against a Python reference, build info, loud import."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import distributed_ext
+from distributed_ext import _native
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _random_layout(rng: random.Random, n: int, max_len: int) -> tuple[list[bytes], list[int], int]:
+    """Random source segments (empty ones included) at random, unaligned, disjoint offsets."""
+    sources = [rng.randbytes(rng.choice([0, 0, 1, 3, rng.randrange(max_len + 1)])) for _ in range(n)]
+    offsets, pos = [], rng.randrange(7)
+    for s in sources:
+        pos += rng.randrange(5)  # gaps, so offsets are unaligned and untouched bytes exist
+        offsets.append(pos)
+        pos += len(s)
+    return sources, offsets, pos + rng.randrange(9)
+
+
+def _tensor_of(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_pack_then_unpack_matches_python_reference(seed):
+    rng = random.Random(seed)
+    sources, offsets, total = _random_layout(rng, rng.randrange(0, 60), rng.choice([16, 300, 70000]))
+    fill = rng.randrange(256)
+    buffer = torch.full((total,), fill, dtype=torch.uint8)
+    src_tensors = [_tensor_of(s) for s in sources]
+    _native.pack_segments(
+        buffer, [(t.data_ptr(), off, t.numel()) for t, off in zip(src_tensors, offsets)]
+    )
+    expected = bytearray([fill]) * total
+    for s, off in zip(sources, offsets):
+        expected[off : off + len(s)] = s
+    assert bytes(buffer.tolist()) == bytes(expected)
+
+    outs = [torch.zeros(len(s), dtype=torch.uint8) for s in sources]
+    _native.unpack_segments(buffer, [(t.data_ptr(), off, t.numel()) for t, off in zip(outs, offsets)])
+    assert [bytes(t.tolist()) for t in outs] == sources
+
+
+def test_large_segment_crosses_piece_boundaries():
+    # 4 MiB pieces: a 9 MiB + 1 segment at an odd offset spans three of them.
+    src = torch.randint(0, 256, (9 * 2**20 + 1,), dtype=torch.uint8)
+    buffer = torch.zeros(src.numel() + 3, dtype=torch.uint8)
+    _native.pack_segments(buffer, [(src.data_ptr(), 3, src.numel())])
+    assert torch.equal(buffer[3:], src) and buffer[:3].sum() == 0
+    back = torch.empty_like(src)
+    _native.unpack_segments(buffer, [(back.data_ptr(), 3, back.numel())])
+    assert torch.equal(back, src)
+
+
+def test_copy_bytes():
+    src = torch.randint(0, 256, (5 * 2**20 + 7,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    _native.copy_bytes(dst.data_ptr(), src.data_ptr(), src.numel())
+    assert torch.equal(dst, src)
+    with pytest.raises(ValueError, match="negative"):
+        _native.copy_bytes(dst.data_ptr(), src.data_ptr(), -1)
+
+
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        ((1, 8, 4), "outside the buffer"),
+        ((1, -1, 2), "outside the buffer"),
+        ((1, 0, -3), "negative length"),
+        ((0, 0, 4), "null pointer"),
+    ],
+)
+def test_bad_segments_are_value_errors_and_copy_nothing(row, match):
+    buffer = torch.zeros(10, dtype=torch.uint8)
+    src = torch.ones(16, dtype=torch.uint8)
+    ptr, off, n = row
+    rows = [(src.data_ptr(), 0, 2), (src.data_ptr() if ptr else 0, off, n)]
+    with pytest.raises(ValueError, match=match):
+        _native.pack_segments(buffer, rows)
+    assert buffer.sum() == 0  # checked before any byte moves
+
+
+def test_bad_buffers_are_value_errors():
+    with pytest.raises(ValueError, match="uint8"):
+        _native.pack_segments(torch.zeros(4, dtype=torch.float32), [])
+    with pytest.raises(ValueError, match="contiguous"):
+        _native.pack_segments(torch.zeros(8, dtype=torch.uint8)[::2], [])
+
+
+def test_copy_releases_the_gil():
+    # While a ~0.3 s native copy runs in a thread, this thread must keep running Python.
+    src = torch.ones(256 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    reps = 4
+    done = threading.Event()
+
+    def copy() -> None:
+        for _ in range(reps):
+            _native.copy_bytes(dst.data_ptr(), src.data_ptr(), src.numel())
+        done.set()
+
+    start = time.perf_counter()
+    worker = threading.Thread(target=copy)
+    stamps = []
+    worker.start()
+    while not done.is_set():
+        stamps.append(time.perf_counter())
+        time.sleep(0.0005)
+    worker.join()
+    duration = time.perf_counter() - start
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    # Holding the GIL would freeze this loop for a whole copy (duration / reps).
+    assert gaps and max(gaps) < 0.5 * duration / reps + 0.02, (max(gaps), duration)
+
+
+def test_build_info_reports_the_build():
+    info = distributed_ext.build_info()
+    assert info["torch"] == torch.__version__
+    assert info["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert info["with_cuda"] == _native.built_with_cuda() == bool(info["cuda"])
+    if not info["with_cuda"]:
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            _native.copy_async(1, 1, 1, 0)
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=full_env, timeout=120)
+
+
+def test_import_initializes_no_cuda_nccl_or_group():
+    proc = _run_python(
+        """
+        import sys
+        import torch
+        before = set(sys.modules)
+        import distributed_ext
+        assert distributed_ext._native._C is not None
+        assert not torch.cuda.is_initialized(), "CUDA initialized at import"
+        assert not torch.distributed.is_initialized(), "process group initialized at import"
+        new_nccl = [m for m in set(sys.modules) - before if "nccl" in m.lower()]
+        assert not new_nccl, new_nccl
+        print("clean")
+        """
+    )
+    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr
+
+
+def test_import_fails_loudly_with_built_for_and_installed(tmp_path):
+    pkg = tmp_path / "distributed_ext"
+    shutil.copytree(os.path.join(REPO, "distributed_ext"), pkg,
+                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    suffix = [s for s in __import__("importlib.machinery").machinery.EXTENSION_SUFFIXES
+              if s.endswith(".so")][0]
+    (pkg / f"_C{suffix}").write_bytes(
+        b"\x7fELF-not-really" + b"DEXT_BUILD_STAMP{torch=1.99.0+cu999;cuda=99.9;python=3.99}"
+    )
+    # Load the package from the copy explicitly: an editable install's finder would
+    # otherwise pick the real one.
+    proc = _run_python(
+        f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location(
+            "distributed_ext", {str(pkg / "__init__.py")!r},
+            submodule_search_locations=[{str(pkg)!r}])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["distributed_ext"] = module
+        spec.loader.exec_module(module)
+        """
+    )
+    assert proc.returncode != 0
+    assert "ImportError" in proc.stderr
+    assert "built for:  torch=1.99.0+cu999;cuda=99.9;python=3.99" in proc.stderr
+    assert f"installed:  torch={torch.__version__}" in proc.stderr
+    assert "pip install --no-build-isolation" in proc.stderr
