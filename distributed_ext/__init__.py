@@ -13,6 +13,7 @@ from distributed_ext.collectives import (
     broadcast_from,
     master_only,
 )
+from distributed_ext.gather import gather_bytes
 from distributed_ext.groups import DistributedProcessGroup, ParallelState
 from distributed_ext.runtime import (
     DistributedState,
@@ -45,6 +46,7 @@ __all__ = [
     "broadcast_from",
     "build_info",
     "distributed_run",
+    "gather_bytes",
     "is_available",
     "is_distributed_launch",
     "is_distributed_run",

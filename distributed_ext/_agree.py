@@ -134,6 +134,11 @@ def resolve_collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def group_has_nccl(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` can move CUDA tensors with NCCL (``nccl`` or ``cpu:gloo,cuda:nccl``)."""
+    return "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available()
+
+
 def resolve_group(group: dist.ProcessGroup | None, what: str) -> GroupContext:
     """The GroupContext of ``group`` for this process; ValueError if it is not a member."""
     me = dist.get_rank(group=group)

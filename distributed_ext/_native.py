@@ -115,6 +115,17 @@ def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
     _C.copy_bytes(dst_ptr, src_ptr, nbytes)
 
 
+def empty_bytearray(nbytes: int) -> bytearray:
+    """A bytearray of ``nbytes`` whose contents are uninitialized; fill every byte before use.
+
+    Raises MemoryError if it cannot be allocated.
+    """
+    try:
+        return _C.empty_bytearray(nbytes)
+    except MemoryError:
+        raise MemoryError(f"cannot allocate a bytearray of {nbytes} bytes") from None
+
+
 def copy_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: int) -> None:
     """Enqueues a host<->device copy on the CUDA stream handle ``stream`` (CUDA build only).
 
