@@ -29,6 +29,7 @@ from distributed_ext.runtime import (
     rank,
     size,
 )
+from distributed_ext.state_dicts import gather_state_dicts
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "build_info",
     "distributed_run",
     "gather_bytes",
+    "gather_state_dicts",
     "is_available",
     "is_distributed_launch",
     "is_distributed_run",

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from distributed_ext import _agree, _native
+from distributed_ext._source import ByteSource
 
 __all__ = ["DeviceGather", "release_staging", "roundtrip_through_device"]
 
@@ -52,13 +53,13 @@ def _steps(nbytes: int, chunk: int) -> int:
     return -(-nbytes // chunk)
 
 
-def stage_to_device(src_ptr: int, nbytes: int, pinned: torch.Tensor, dev: torch.Tensor,
-                    stream: torch.cuda.Stream) -> None:
-    """Host bytes -> pinned (native copy, GIL released) -> device (async on ``stream``).
+def stage_to_device(source: ByteSource, start: int, nbytes: int, pinned: torch.Tensor,
+                    dev: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Source bytes -> pinned (native pack, GIL released) -> device (async on ``stream``).
 
     The caller keeps the source, ``pinned`` and ``dev`` alive until ``stream`` passes the copy.
     """
-    _native.copy_bytes(pinned.data_ptr(), src_ptr, nbytes)
+    source.pack(start, pinned[:nbytes])
     _native.copy_async(dev.data_ptr(), pinned.data_ptr(), nbytes, stream.cuda_stream)
 
 
@@ -76,7 +77,7 @@ def roundtrip_through_device(data: bytes, chunk: int, device: torch.device | Non
         return out
     from distributed_ext.gather import byte_tensor
 
-    src = byte_tensor(memoryview(data))
+    source = ByteSource([byte_tensor(memoryview(data))])
     dst = byte_tensor(out)
     c = min(chunk, len(data))
     pinned_in = torch.empty(c, dtype=torch.uint8, pin_memory=True)
@@ -85,7 +86,7 @@ def roundtrip_through_device(data: bytes, chunk: int, device: torch.device | Non
     stream = torch.cuda.Stream(device)
     for s in range(_steps(len(data), c)):
         start, n = s * c, min(c, len(data) - s * c)
-        stage_to_device(src.data_ptr() + start, n, pinned_in, dev, stream)
+        stage_to_device(source, start, n, pinned_in, dev, stream)
         stage_to_host(dev, pinned_out, n, stream)
         stream.synchronize()
         _native.copy_bytes(dst.data_ptr() + start, pinned_out.data_ptr(), n)
@@ -116,22 +117,19 @@ class DeviceGather:
         self.pinned = pinned_staging(2 * rows * self.chunk).view(2, rows, self.chunk)
         self.dev = torch.empty((2, rows, self.chunk), dtype=torch.uint8, device=self.device)
 
-    def run(self, view: memoryview, outputs: list[bytearray] | None) -> None:
+    def run(self, source: ByteSource, outputs: list[bytearray] | None) -> None:
         if self.ctx.rank == self.dst_rank:
             assert outputs is not None
-            self._receive(view, outputs)
+            self._receive(source, outputs)
         else:
-            self._send(view)
+            self._send(source)
         torch.cuda.current_stream(self.device).synchronize()
         self.stream.synchronize()
 
-    def _send(self, view: memoryview) -> None:
-        from distributed_ext.gather import byte_tensor
-
-        nbytes = len(view)
+    def _send(self, source: ByteSource) -> None:
+        nbytes = source.nbytes
         if nbytes == 0:
             return
-        src_ptr = byte_tensor(view).data_ptr()
         dst_global = self.ctx.ranks[self.dst_rank]
         h2d = [torch.cuda.Event(), torch.cuda.Event()]
         sent = [torch.cuda.Event(), torch.cuda.Event()]
@@ -141,7 +139,7 @@ class DeviceGather:
             start, n = s * self.chunk, min(self.chunk, nbytes - s * self.chunk)
             h2d[slot].synchronize()  # pinned[slot] no longer read by its last H2D
             self.stream.wait_event(sent[slot])  # dev[slot] no longer read by its last send
-            stage_to_device(src_ptr + start, n, self.pinned[slot, 0], self.dev[slot, 0],
+            stage_to_device(source, start, n, self.pinned[slot, 0], self.dev[slot, 0],
                             self.stream)
             h2d[slot].record(self.stream)
             current.wait_event(h2d[slot])
@@ -150,13 +148,12 @@ class DeviceGather:
                 work.wait()  # the current stream waits for NCCL; the host does not
             sent[slot].record(current)
 
-    def _receive(self, view: memoryview, outputs: list[bytearray]) -> None:
+    def _receive(self, source: ByteSource, outputs: list[bytearray]) -> None:
         from distributed_ext.gather import byte_tensor
 
         me = self.ctx.rank
-        if len(view):  # dst's own bytes never touch the device
-            _native.copy_bytes(byte_tensor(outputs[me]).data_ptr(), byte_tensor(view).data_ptr(),
-                               len(view))
+        if source.nbytes:  # dst's own bytes never touch the device
+            source.pack(0, byte_tensor(outputs[me]))
         out_ptrs = [byte_tensor(outputs[r]).data_ptr() if self.sizes[r] else 0
                     for r in self.senders]
         d2h = [torch.cuda.Event(), torch.cuda.Event()]

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from distributed_ext import _agree, _native, runtime
+from distributed_ext._source import ByteSource
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "gather_bytes"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "gather_bytes", "gather_source"]
 
 DEFAULT_CHUNK_BYTES = 268435456  # 256 MiB
 
@@ -62,9 +64,7 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
-def _local_checks(data: object, dst: object, chunk_bytes: object,
-                  ctx: _agree.GroupContext) -> memoryview:
-    view = _as_byte_view(data)
+def _check_args(dst: object, chunk_bytes: object, ctx: _agree.GroupContext) -> None:
     chunk = _check_int("chunk_bytes", chunk_bytes)
     if chunk <= 0:
         raise ValueError(
@@ -77,23 +77,47 @@ def _local_checks(data: object, dst: object, chunk_bytes: object,
             f"gather_bytes: dst={d} is not a member of the group (global ranks {ctx.ranks}); "
             "dst is a global rank, also for a subgroup"
         )
-    return view
 
 
 def _chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(chunk, nbytes - start)) for start in range(0, nbytes, chunk)]
 
 
-def _gather_gloo(view: memoryview, sizes: Sequence[int], outputs: list[bytearray] | None,
+def _gather_gloo(source: ByteSource, sizes: Sequence[int], outputs: list[bytearray] | None,
                  dst: int, chunk: int, ctx: _agree.GroupContext) -> None:
-    """Chunks of the sender's buffer straight into views of dst's outputs (point-to-point)."""
+    """Chunks of the sender's bytes straight into views of dst's outputs (point-to-point).
+
+    A chunk inside one of the sender's segments is sent as a view of it; one that straddles
+    segments is packed into one of two staging chunks, so packing overlaps sending.
+    """
     me = ctx.rank
     dst_rank = ctx.group_rank_of(dst)
     if me != dst_rank:
-        source = byte_tensor(view)
-        works = [dist.isend(source[s : s + n], dst, group=ctx.group, tag=i)
-                 for i, (s, n) in enumerate(_chunks(len(view), chunk))]
-        for w in works:
+        # Every work is waited exactly once: a second wait() on a finished gloo send waits
+        # for a completion that never comes.
+        pending: list[Any] = []
+        staging: torch.Tensor | None = None
+        slot_work: list[Any] = [None, None]
+        packed = 0
+        for i, (start, n) in enumerate(_chunks(source.nbytes, chunk)):
+            piece = source.view(start, n)
+            slot = -1
+            if piece is None:
+                if staging is None:
+                    staging = torch.empty((2, min(chunk, source.nbytes)), dtype=torch.uint8)
+                slot = packed % 2
+                packed += 1
+                if slot_work[slot] is not None:  # the staging slot's last send has left
+                    slot_work[slot].wait()
+                    slot_work[slot] = None
+                piece = staging[slot, :n]
+                source.pack(start, piece)
+            work = dist.isend(piece, dst, group=ctx.group, tag=i)
+            if slot >= 0:
+                slot_work[slot] = work
+            else:
+                pending.append(work)
+        for w in pending + [w for w in slot_work if w is not None]:
             w.wait()
         return
     assert outputs is not None
@@ -105,9 +129,8 @@ def _gather_gloo(view: memoryview, sizes: Sequence[int], outputs: list[bytearray
         works += [dist.irecv(target[s : s + n], ctx.ranks[r], group=ctx.group, tag=i)
                   for i, (s, n) in enumerate(_chunks(nbytes, chunk))]
     # dst's own bytes: one native copy (GIL released) while the receives run.
-    if len(view):
-        _native.copy_bytes(byte_tensor(outputs[me]).data_ptr(), byte_tensor(view).data_ptr(),
-                           len(view))
+    if source.nbytes:
+        source.pack(0, byte_tensor(outputs[me]))
     for w in works:
         w.wait()
 
@@ -151,31 +174,51 @@ def gather_bytes(
         ValueError: ``chunk_bytes`` not positive, or ``dst`` not in the group, or ranks disagree.
         RuntimeError: another rank failed (its rank and error are named).
     """
+
+    def resolve_source() -> ByteSource:
+        return ByteSource([byte_tensor(_as_byte_view(data))])
+
+    return gather_source(resolve_source, dst, group, chunk_bytes, "gather_bytes")
+
+
+def gather_source(
+    resolve_source: Callable[[], ByteSource],
+    dst: int,
+    group: dist.ProcessGroup | None,
+    chunk_bytes: int,
+    what: str,
+) -> list[bytearray] | None:
+    """The collective behind gather_bytes, for any ByteSource.
+
+    ``resolve_source`` runs inside the status round, so an exception it raises (a bad
+    argument, a state that does not encode) is carried to every rank, which all raise.
+    """
     if not runtime.is_initialized():
         ctx = _agree.GroupContext(None, 0, [0], torch.device("cpu"))
-        view = _local_checks(data, dst, chunk_bytes, ctx)
-        out = _native.empty_bytearray(len(view))
-        if len(view):
-            _native.copy_bytes(byte_tensor(out).data_ptr(), byte_tensor(view).data_ptr(),
-                               len(view))
+        _check_args(dst, chunk_bytes, ctx)
+        source = resolve_source()
+        out = _native.empty_bytearray(source.nbytes)
+        if source.nbytes:
+            source.pack(0, byte_tensor(out))
         return [out]
 
-    ctx = _agree.resolve_group(group, "gather_bytes")
+    ctx = _agree.resolve_group(group, what)
     # Round 1: arguments and sizes.
     try:
-        view = _local_checks(data, dst, chunk_bytes, ctx)
-        own = _agree.Status(fields=(len(view), chunk_bytes, dst))  # type: ignore[arg-type]
+        _check_args(dst, chunk_bytes, ctx)
+        source = resolve_source()
+        own = _agree.Status(fields=(source.nbytes, chunk_bytes, dst))
     except (Exception, SystemExit) as exc:
-        view = memoryview(b"")
+        source = ByteSource([])
         own = _agree.Status.failed(exc)
     statuses = _agree.exchange(own, ctx)
-    _agree.raise_first_failure("gather_bytes", statuses, ctx, own)
+    _agree.raise_first_failure(what, statuses, ctx, own)
     sizes = [s.fields[0] for s in statuses]
     for name, index in (("chunk_bytes", 1), ("dst", 2)):
         values = [s.fields[index] for s in statuses]
         if len(set(values)) > 1:
             listing = ", ".join(f"rank {ctx.ranks[i]}: {v}" for i, v in enumerate(values))
-            raise ValueError(f"gather_bytes: ranks passed different {name} ({listing}); every "
+            raise ValueError(f"{what}: ranks passed different {name} ({listing}); every "
                              f"rank must pass the same {name}")
     chunk = int(chunk_bytes)
     dst_rank = ctx.group_rank_of(int(dst))
@@ -201,12 +244,12 @@ def gather_bytes(
         outputs = None
         pipeline = None
         alloc = _agree.Status.failed(exc)
-    _agree.raise_first_failure("gather_bytes (allocating)", _agree.exchange(alloc, data_ctx),
+    _agree.raise_first_failure(f"{what} (allocating)", _agree.exchange(alloc, data_ctx),
                                ctx, alloc)
 
     # Data.
     if pipeline is not None:
-        pipeline.run(view, outputs)
+        pipeline.run(source, outputs)
     else:
-        _gather_gloo(view, sizes, outputs, int(dst), chunk, ctx)
+        _gather_gloo(source, sizes, outputs, int(dst), chunk, ctx)
     return outputs

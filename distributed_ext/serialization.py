@@ -1,0 +1,639 @@
+"""The pickle-free state format: encode a state to segments, decode a buffer to views.
+
+A state is a tree of plain values (dict with str/int keys, OrderedDict, list, tuple, str, int,
+float, bool, None, bytes, torch.dtype, torch.Size, torch.device) and dense tensors. Encoding
+copies no tensor bytes: it returns a header and a list of *segments*, flat uint8 views of the
+tensors' own memory, which the transport (or :func:`write_state`) copies straight to their
+destination with the compiled core. Decoding copies no tensor bytes either: the tensors of a
+decoded state are views of the buffer, which stays alive as long as any of them does.
+
+The byte layout is specified in ``docs/format.md``. Decoding never runs pickle and checks every
+length, offset, dtype, shape, stride and nesting depth against the buffer before use;
+malformed input raises ValueError.
+
+Tensors sharing a storage (tied weights, views of one buffer) travel once, as the byte span of
+the storage they cover, and arrive sharing one storage with their strides, as ``torch.save``
+keeps them. A tensor alone on its storage travels as its own bytes, contiguous. Parameters
+arrive as plain tensors and CUDA tensors as CPU tensors (``requires_grad`` is not kept).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import struct
+import warnings
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+
+from distributed_ext import _native
+from distributed_ext._source import ByteSource
+
+__all__ = [
+    "ALIGNMENT",
+    "EncodedState",
+    "decode_state",
+    "encode_state",
+    "read_state",
+    "write_state",
+]
+
+MAGIC = b"DXST"
+VERSION = 1
+ALIGNMENT = 64
+MAX_DEPTH = 100
+MAX_NDIM = 64
+_NO_STORAGE = 0xFFFFFFFF
+
+# Fixed codes: the wire must mean the same thing in every version. Codes of dtypes a torch
+# build lacks are simply never produced (and rejected when read).
+_DTYPE_NAMES = [
+    "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
+    "uint8", "int8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+]  # fmt: skip
+DTYPE_CODES: dict[torch.dtype, int] = {}
+CODE_DTYPES: dict[int, torch.dtype] = {}
+for _code, _name in enumerate(_DTYPE_NAMES, start=1):
+    _dt = getattr(torch, _name, None)
+    if isinstance(_dt, torch.dtype):
+        DTYPE_CODES[_dt] = _code
+        CODE_DTYPES[_code] = _dt
+
+# Value tags.
+T_NONE, T_FALSE, T_TRUE, T_INT, T_BIGINT, T_FLOAT, T_STR, T_BYTES = range(8)
+T_LIST, T_TUPLE, T_DICT, T_ODICT, T_DTYPE, T_SIZE, T_DEVICE, T_TENSOR = range(8, 16)
+
+_PREAMBLE = struct.Struct("<4sHHQQQ")  # magic, version, flags, header_len, data_off, data_len
+_STORAGE = struct.Struct("<QQ")  # offset in data region, nbytes
+_TENSOR = struct.Struct("<BBIQ")  # dtype code, ndim, storage index, byte offset in storage
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+_U64 = struct.Struct("<Q")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def _path(path: str) -> str:
+    return path or "state"
+
+
+def _key_path(path: str, key: object) -> str:
+    return f"{_path(path)}[{key!r}]"
+
+
+def _resolve_dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor
+    except Exception:  # torch without distributed
+        return None
+
+
+_DTENSOR = _resolve_dtensor_type()
+
+
+@dataclass
+class EncodedState:
+    """A state encoded without copying tensor bytes.
+
+    Attributes:
+        segments: flat uint8 CPU tensors whose concatenation is the encoded bytes (the header
+            first, then each storage span, with zero padding between). Tensor segments view
+            the state's own tensors: keep the state unmodified while the segments are in use.
+        nbytes: the total encoded size (the sum of the segments' sizes).
+        tensor_bytes: how many of those bytes are tensor data.
+    """
+
+    segments: list[torch.Tensor]
+    nbytes: int
+    tensor_bytes: int
+    _keepalive: list[Any] = field(default_factory=list, repr=False)
+
+    def source(self) -> ByteSource:
+        """The segments as one byte stream for the transport (views; nothing copied)."""
+        return ByteSource(self.segments)
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.tensor_index: dict[int, int] = {}  # id(tensor) -> index
+        self.tensors: list[torch.Tensor] = []  # as given (kept alive for id() stability)
+        self.tensor_paths: list[str] = []
+
+    # -- values --------------------------------------------------------------------------
+    def value(self, obj: Any, path: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise TypeError(f"encode_state: {_path(path)} nests deeper than {MAX_DEPTH} levels "
+                            "(a container that contains itself?); flatten the state")
+        out = self.out
+        if obj is None:
+            out.append(T_NONE)
+        elif obj is True or obj is False:
+            out.append(T_TRUE if obj else T_FALSE)
+        elif isinstance(obj, int) and not isinstance(obj, bool):
+            value = int(obj)
+            if -(2**63) <= value < 2**63:
+                out.append(T_INT)
+                out += _I64.pack(value)
+            else:
+                raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+                out.append(T_BIGINT)
+                out += _U32.pack(len(raw)) + raw
+        elif isinstance(obj, float):
+            out.append(T_FLOAT)
+            out += _F64.pack(float(obj))
+        elif isinstance(obj, str):
+            raw = str(obj).encode("utf-8", "surrogatepass")
+            out.append(T_STR)
+            out += _U32.pack(len(raw)) + raw
+        elif isinstance(obj, (bytes, bytearray, memoryview)):
+            raw = bytes(obj)
+            out.append(T_BYTES)
+            out += _U64.pack(len(raw)) + raw
+        elif isinstance(obj, torch.Tensor):
+            out.append(T_TENSOR)
+            out += _U32.pack(self.tensor(obj, path))
+        elif isinstance(obj, torch.dtype):
+            if obj not in DTYPE_CODES:
+                raise TypeError(f"encode_state: {_path(path)} is the dtype {obj}, which the "
+                                "format does not carry; store its name as a str instead")
+            out.append(T_DTYPE)
+            out.append(DTYPE_CODES[obj])
+        elif isinstance(obj, torch.Size):
+            out.append(T_SIZE)
+            out += _U32.pack(len(obj))
+            for d in obj:
+                out += _I64.pack(int(d))
+        elif isinstance(obj, torch.device):
+            raw = obj.type.encode("ascii")
+            out.append(T_DEVICE)
+            out += _U32.pack(len(raw)) + raw + _I64.pack(-1 if obj.index is None else obj.index)
+        elif isinstance(obj, dict):
+            out.append(T_ODICT if isinstance(obj, collections.OrderedDict) else T_DICT)
+            out += _U32.pack(len(obj))
+            for key, item in obj.items():
+                if isinstance(key, bool) or not isinstance(key, (str, int)):
+                    raise TypeError(
+                        f"encode_state: {_path(path)} has a key {key!r} of type "
+                        f"{type(key).__name__}; keys must be str or int -- convert it, e.g. "
+                        "str(key)"
+                    )
+                self.value(key, path, depth + 1)
+                self.value(item, _key_path(path, key), depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            out.append(T_TUPLE if isinstance(obj, tuple) else T_LIST)
+            out += _U32.pack(len(obj))
+            for i, item in enumerate(obj):
+                self.value(item, f"{_path(path)}[{i}]", depth + 1)
+        else:
+            raise TypeError(
+                f"encode_state: {_path(path)} is a {type(obj).__module__}."
+                f"{type(obj).__qualname__}, which the format does not carry (it holds only "
+                "dicts, lists, tuples, str, int, float, bool, None, bytes, dtypes, sizes, "
+                "devices and dense tensors); convert it to one of those, e.g. a dict of its "
+                "fields"
+            )
+
+    # -- tensors -------------------------------------------------------------------------
+    def tensor(self, t: torch.Tensor, path: str) -> int:
+        key = id(t)
+        if key in self.tensor_index:
+            return self.tensor_index[key]
+        where = _path(path)
+        if _DTENSOR is not None and isinstance(t, _DTENSOR):
+            raise TypeError(f"encode_state: {where} is a DTensor; call .full_tensor() (or "
+                            ".to_local() for this rank's shard) first")
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(
+            t, torch.nn.Parameter
+        ):
+            raise TypeError(f"encode_state: {where} is a tensor subclass "
+                            f"{type(t).__qualname__}; pass a plain tensor (e.g. t.detach() or "
+                            "torch.Tensor(t))")
+        if t.is_nested:
+            raise TypeError(f"encode_state: {where} is a nested tensor; unbind it into a list "
+                            "of tensors first")
+        if t.layout != torch.strided:
+            raise TypeError(f"encode_state: {where} is a {t.layout} (sparse) tensor; call "
+                            ".to_dense() first")
+        if t.is_quantized:
+            raise TypeError(f"encode_state: {where} is a quantized tensor; call "
+                            ".dequantize() first")
+        if t.device.type == "meta":
+            raise TypeError(f"encode_state: {where} is a meta tensor and has no data; "
+                            "materialize it (e.g. module.to_empty(device=...) and load) first")
+        if t.dtype not in DTYPE_CODES:
+            raise TypeError(f"encode_state: {where} has dtype {t.dtype}, which the format "
+                            "does not carry; convert it with .to(...) first")
+        index = len(self.tensors)
+        self.tensor_index[key] = index
+        self.tensors.append(t)
+        self.tensor_paths.append(where)
+        return index
+
+
+def _resolve_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with lazy conjugate/negative bits applied (a copy only then)."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
+
+
+def _to_host(seg: torch.Tensor) -> torch.Tensor:
+    """A CPU segment: CPU views as they are, device bytes copied to host once per storage span."""
+    return seg if seg.device.type == "cpu" else seg.to("cpu")
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _reach(t: torch.Tensor) -> int:
+    """Elements from the first to one past the last element ``t`` can address."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+
+
+def _byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 view of ``storage[start : start + nbytes]`` on the storage's device."""
+    base = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return base.set_(storage, start, (nbytes,))
+
+
+def encode_state(state: Any) -> EncodedState:
+    """Encodes ``state`` into segments without copying tensor bytes.
+
+    Peak memory: the header (small: values and tensor metadata) plus, for CUDA, conjugate or
+    negative-bit tensors only, a CPU copy of those tensors. CPU tensors are viewed, not copied.
+
+    Args:
+        state: A tree of supported values and tensors (see the module docstring).
+
+    Returns:
+        The EncodedState; its segments view the state's tensors, so keep the state alive and
+        unmodified until the segments have been copied.
+
+    Raises:
+        TypeError: a value or tensor the format does not carry, naming its key path and the fix.
+    """
+    enc = _Encoder()
+    enc.value(state, "", 0)
+    tree = bytes(enc.out)
+
+    # Group tensors by the storage they view, so shared storages travel once.
+    plain = [_resolve_bits(t) for t in enc.tensors]
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, t in enumerate(plain):
+        if t.numel() == 0:
+            continue
+        groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(i)
+
+    storages: list[tuple[torch.Tensor, int]] = []  # (flat uint8 CPU segment, nbytes)
+    records: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = []
+    placement: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # tensor -> storage, off, strides
+    for members in groups.values():
+        if len(members) == 1:
+            i = members[0]
+            t = plain[i].contiguous()
+            seg = _byte_view(t.untyped_storage(), t.storage_offset() * t.element_size(),
+                             t.numel() * t.element_size())
+            placement[i] = (len(storages), 0, _contiguous_strides(t.shape))
+            storages.append((_to_host(seg), seg.numel()))
+            continue
+        starts = {i: plain[i].storage_offset() * plain[i].element_size() for i in members}
+        lo = min(starts.values()) // ALIGNMENT * ALIGNMENT  # keeps every offset dtype-aligned
+        hi = max(starts[i] + _reach(plain[i]) * plain[i].element_size() for i in members)
+        seg = _byte_view(plain[members[0]].untyped_storage(), lo, hi - lo)
+        for i in members:
+            placement[i] = (len(storages), starts[i] - lo, tuple(plain[i].stride()))
+        storages.append((_to_host(seg), hi - lo))
+
+    for i, t in enumerate(plain):
+        if i in placement:
+            storage, offset, strides = placement[i]
+        else:
+            storage, offset, strides = _NO_STORAGE, 0, tuple(t.stride())
+        records.append((DTYPE_CODES[t.dtype], storage, offset, tuple(t.shape), strides))
+
+    # Lay the data region out: every storage span 64-byte aligned.
+    storage_table = bytearray(_U32.pack(len(storages)))
+    data_offsets, pos = [], 0
+    for _seg, nbytes in storages:
+        data_offsets.append(pos)
+        storage_table += _STORAGE.pack(pos, nbytes)
+        pos = _align(pos + nbytes)
+    data_len = data_offsets[-1] + storages[-1][1] if storages else 0
+
+    tensor_table = bytearray(_U32.pack(len(records)))
+    for code, storage, offset, shape, strides in records:
+        tensor_table += _TENSOR.pack(code, len(shape), storage, offset)
+        for d in shape:
+            tensor_table += _I64.pack(d)
+        for s in strides:
+            tensor_table += _I64.pack(s)
+
+    blob = bytes(storage_table) + bytes(tensor_table) + tree
+    data_off = _align(_PREAMBLE.size + len(blob))
+    preamble = _PREAMBLE.pack(MAGIC, VERSION, 0, len(blob), data_off, data_len)
+    head = bytearray(data_off)
+    head[: _PREAMBLE.size + len(blob)] = preamble + blob
+
+    zeros = torch.zeros(ALIGNMENT, dtype=torch.uint8)
+    segments = [torch.frombuffer(head, dtype=torch.uint8)]
+    cursor = 0
+    for (seg, nbytes), off in zip(storages, data_offsets):
+        if off > cursor:
+            segments.append(zeros[: off - cursor])
+        segments.append(seg)
+        cursor = off + nbytes
+    total = data_off + data_len
+    tensor_bytes = sum(n for _s, n in storages)
+    return EncodedState(segments, total, tensor_bytes, [head, zeros, plain, enc.tensors, storages])
+
+
+def pack_encoded(encoded: EncodedState, dst: torch.Tensor, start: int = 0) -> None:
+    """Copies encoded bytes ``[start, start + dst.numel())`` into ``dst`` (native, GIL released)."""
+    encoded.source().pack(start, dst)
+
+
+def write_state(state: Any, file: str | os.PathLike[str] | IO[bytes] | None = None,
+                chunk_bytes: int = 64 * 2**20) -> bytearray | None:
+    """Writes ``state`` encoded, into one new bytearray (``file`` None) or to a file.
+
+    Peak memory: the returned buffer (exactly the encoded size) when writing to memory; a
+    ``chunk_bytes`` staging buffer when writing to a file. A file given by path is written to
+    a temporary name and renamed, so a failure never leaves a half-written file behind.
+
+    Returns:
+        The bytearray when ``file`` is None, else None.
+    """
+    encoded = encode_state(state)
+    if file is None:
+        out = _native.empty_bytearray(encoded.nbytes)
+        if encoded.nbytes:
+            pack_encoded(encoded, torch.frombuffer(out, dtype=torch.uint8))
+        return out
+    if isinstance(file, (str, os.PathLike)):
+        path = os.fspath(file)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                _write_chunks(encoded, f, chunk_bytes)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return None
+    _write_chunks(encoded, file, chunk_bytes)
+    return None
+
+
+def _write_chunks(encoded: EncodedState, f: IO[bytes], chunk_bytes: int) -> None:
+    staging = _native.empty_bytearray(min(chunk_bytes, max(encoded.nbytes, 1)))
+    view = torch.frombuffer(staging, dtype=torch.uint8)
+    for start in range(0, encoded.nbytes, len(staging)):
+        n = min(len(staging), encoded.nbytes - start)
+        pack_encoded(encoded, view[:n], start)
+        f.write(memoryview(staging)[:n])
+
+
+# -- decoding ------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Bounds-checked reads from the header blob."""
+
+    def __init__(self, blob: memoryview) -> None:
+        self.blob = blob
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or n > len(self.blob) - self.pos:
+            raise ValueError(f"decode_state: truncated header: {what} needs {n} bytes at "
+                             f"{self.pos}, {len(self.blob) - self.pos} left")
+        out = self.blob[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, s: struct.Struct, what: str) -> tuple[Any, ...]:
+        return s.unpack(self.take(s.size, what))
+
+    def count(self, what: str, min_item_bytes: int) -> int:
+        (n,) = self.unpack(_U32, what)
+        # Every item takes at least min_item_bytes: a count the header cannot hold is a lie,
+        # and rejecting it here bounds every allocation by the buffer's size.
+        if n * min_item_bytes > len(self.blob) - self.pos:
+            raise ValueError(f"decode_state: {what} count {n} exceeds what the header holds")
+        return n
+
+
+def _check_preamble(buf: memoryview) -> tuple[int, int, int]:
+    if len(buf) < _PREAMBLE.size:
+        raise ValueError(f"decode_state: buffer of {len(buf)} bytes is shorter than the "
+                         f"{_PREAMBLE.size}-byte preamble")
+    magic, version, flags, header_len, data_off, data_len = _PREAMBLE.unpack_from(buf)
+    if magic != MAGIC:
+        raise ValueError(f"decode_state: bad magic {bytes(magic)!r}; this is not a "
+                         "distributed_ext state (expected b'DXST')")
+    if version != VERSION or flags != 0:
+        raise ValueError(f"decode_state: format version {version} flags {flags} is not "
+                         f"supported (this reader knows version {VERSION}, flags 0)")
+    if _PREAMBLE.size + header_len > data_off or data_off % ALIGNMENT:
+        raise ValueError("decode_state: header length and data offset disagree")
+    if data_off + data_len != len(buf):
+        raise ValueError(f"decode_state: the preamble says {data_off + data_len} bytes, the "
+                         f"buffer has {len(buf)} (truncated or padded?)")
+    return header_len, data_off, data_len
+
+
+def decode_state(buffer: bytes | bytearray | memoryview) -> Any:
+    """Decodes an encoded state; its tensors are views of ``buffer`` (no tensor bytes copied).
+
+    The buffer stays alive as long as any decoded tensor does. Tensors decoded from a
+    read-only buffer (``bytes``) must not be written to; pass a bytearray for writable ones.
+    Peak memory: the decoded values and tensor metadata; no tensor data.
+
+    Raises:
+        ValueError: the buffer is malformed (truncated, mutated, hostile): every length,
+            offset, dtype, shape, stride and nesting depth is checked before use.
+        TypeError: ``buffer`` is not a contiguous byte buffer.
+    """
+    try:
+        buf = memoryview(buffer)
+    except TypeError:
+        raise TypeError(f"decode_state: expected bytes, bytearray or memoryview, got "
+                        f"{type(buffer).__name__}") from None
+    if not buf.c_contiguous:
+        raise TypeError("decode_state: the buffer must be contiguous")
+    buf = buf.cast("B") if (buf.format != "B" or buf.ndim != 1) else buf
+    header_len, data_off, data_len = _check_preamble(buf)
+    reader = _Reader(buf[_PREAMBLE.size : _PREAMBLE.size + header_len])
+
+    n_storages = reader.count("storage table", _STORAGE.size)
+    storage_spans = []
+    for i in range(n_storages):
+        offset, nbytes = reader.unpack(_STORAGE, "storage record")
+        if offset > data_len or nbytes > data_len - offset or nbytes == 0:
+            raise ValueError(f"decode_state: storage {i} [{offset}, +{nbytes}) lies outside "
+                             f"the data region of {data_len} bytes")
+        storage_spans.append((data_off + offset, nbytes))
+
+    n_tensors = reader.count("tensor table", _TENSOR.size)
+    specs = []
+    for i in range(n_tensors):
+        code, ndim, storage, offset = reader.unpack(_TENSOR, "tensor record")
+        dtype = CODE_DTYPES.get(code)
+        if dtype is None:
+            raise ValueError(f"decode_state: tensor {i} has unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            raise ValueError(f"decode_state: tensor {i} has {ndim} dims (at most {MAX_NDIM})")
+        dims = struct.unpack(f"<{2 * ndim}q", reader.take(16 * ndim, "tensor shape"))
+        shape, strides = dims[:ndim], dims[ndim:]
+        if any(d < 0 for d in shape) or any(s < 0 for s in strides):
+            raise ValueError(f"decode_state: tensor {i} has a negative size or stride")
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = dtype.itemsize
+        if numel == 0:
+            if storage != _NO_STORAGE:
+                raise ValueError(f"decode_state: empty tensor {i} names a storage")
+            specs.append((dtype, shape, strides, None, 0, 0))
+            continue
+        if storage >= n_storages:
+            raise ValueError(f"decode_state: tensor {i} names storage {storage} of "
+                             f"{n_storages}")
+        reach = 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+        span_start, span_len = storage_spans[storage]
+        if offset % itemsize or offset > span_len or reach * itemsize > span_len - offset:
+            raise ValueError(f"decode_state: tensor {i} ({dtype}, shape {list(shape)}, "
+                             f"strides {list(strides)}) at byte {offset} does not fit its "
+                             f"storage of {span_len} bytes")
+        specs.append((dtype, shape, strides, storage, offset, reach))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: documented above
+        storages = [torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=o)
+                    for o, n in storage_spans]
+    tensors: list[torch.Tensor] = []
+    for i, (dtype, shape, strides, storage, offset, reach) in enumerate(specs):
+        try:
+            if storage is None:
+                tensors.append(torch.empty(shape, dtype=dtype).as_strided(shape, strides))
+                continue
+            flat = storages[storage][offset : offset + reach * dtype.itemsize].view(dtype)
+            tensors.append(flat.as_strided(shape, strides))
+        except (RuntimeError, OverflowError) as exc:
+            raise ValueError(f"decode_state: tensor {i} cannot be built: {exc}") from None
+
+    value = _decode_value(reader, tensors, 0)
+    if reader.pos != len(reader.blob):
+        raise ValueError(f"decode_state: {len(reader.blob) - reader.pos} stray bytes after "
+                         "the value tree")
+    return value
+
+
+def _decode_value(r: _Reader, tensors: list[torch.Tensor], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"decode_state: values nest deeper than {MAX_DEPTH}")
+    (tag,) = r.take(1, "value tag")
+    if tag == T_NONE:
+        return None
+    if tag == T_FALSE:
+        return False
+    if tag == T_TRUE:
+        return True
+    if tag == T_INT:
+        return r.unpack(_I64, "int")[0]
+    if tag == T_BIGINT:
+        (n,) = r.unpack(_U32, "bigint length")
+        return int.from_bytes(r.take(n, "bigint"), "little", signed=True)
+    if tag == T_FLOAT:
+        return r.unpack(_F64, "float")[0]
+    if tag == T_STR:
+        (n,) = r.unpack(_U32, "str length")
+        try:
+            return str(r.take(n, "str"), "utf-8", "surrogatepass")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"decode_state: a str is not valid UTF-8 ({exc})") from None
+    if tag == T_BYTES:
+        (n,) = r.unpack(_U64, "bytes length")
+        return bytes(r.take(n, "bytes"))
+    if tag in (T_LIST, T_TUPLE):
+        n = r.count("list", 1)
+        items = [_decode_value(r, tensors, depth + 1) for _ in range(n)]
+        return tuple(items) if tag == T_TUPLE else items
+    if tag in (T_DICT, T_ODICT):
+        n = r.count("dict", 2)
+        out: dict[Any, Any] = collections.OrderedDict() if tag == T_ODICT else {}
+        for _ in range(n):
+            key = _decode_value(r, tensors, depth + 1)
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise ValueError(f"decode_state: a dict key is a {type(key).__name__}, not "
+                                 "str or int")
+            out[key] = _decode_value(r, tensors, depth + 1)
+        return out
+    if tag == T_DTYPE:
+        (code,) = r.take(1, "dtype")
+        if code not in CODE_DTYPES:
+            raise ValueError(f"decode_state: unknown dtype code {code}")
+        return CODE_DTYPES[code]
+    if tag == T_SIZE:
+        n = r.count("size", 8)
+        dims = struct.unpack(f"<{n}q", r.take(8 * n, "size"))
+        return torch.Size(dims)
+    if tag == T_DEVICE:
+        (n,) = r.unpack(_U32, "device type length")
+        if n > 64:
+            raise ValueError("decode_state: device type name too long")
+        kind = bytes(r.take(n, "device type")).decode("ascii", "replace")
+        (index,) = r.unpack(_I64, "device index")
+        try:
+            return torch.device(kind) if index == -1 else torch.device(kind, index)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"decode_state: bad device {kind!r}:{index} ({exc})") from None
+    if tag == T_TENSOR:
+        (i,) = r.unpack(_U32, "tensor index")
+        if i >= len(tensors):
+            raise ValueError(f"decode_state: tensor index {i} of {len(tensors)}")
+        return tensors[i]
+    raise ValueError(f"decode_state: unknown value tag {tag}")
+
+
+def read_state(file: str | os.PathLike[str] | IO[bytes]) -> Any:
+    """Reads a file written by :func:`write_state` into one bytearray and decodes it (views)."""
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, "rb") as f:
+            return read_state(f)
+    if isinstance(file, io.BytesIO):
+        return decode_state(bytearray(file.getbuffer()))
+    try:
+        size = os.fstat(file.fileno()).st_size - file.tell()
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        return decode_state(bytearray(file.read()))
+    buf = _native.empty_bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = file.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            raise ValueError(f"read_state: file ended after {got} of {size} bytes")
+        got += n
+    return decode_state(buf)
