@@ -118,12 +118,18 @@ def _transfer(method: str, payload: bytearray, rank: int, world: int, dst: int,
     return ok
 
 
-def run_case(method: str, world: int, size: int, chunk: int, timeout: float = 1800) -> dict:
+def run_case(method: str, world: int, size: int, chunk: int, timeout: float = 1800,
+             rank_main=None) -> dict:
+    """Runs ``rank_main(method, rank, world, size, chunk, store, queue)`` in fresh local ranks.
+
+    Each rank puts ``(rank, seconds, dst_peak_rss, ok)``; rank 0's figures are returned.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    target = rank_main or _rank_main
     with tempfile.TemporaryDirectory(prefix="dext-bench-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(method, r, world, size, chunk, store, queue))
+        procs = [ctx.Process(target=target, args=(method, r, world, size, chunk, store, queue))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distributed_ext import serialization
+from distributed_ext import _agree, serialization
 from distributed_ext._source import ByteSource
 from distributed_ext.gather import DEFAULT_CHUNK_BYTES, gather_source
 
@@ -24,8 +24,21 @@ def _iterate(buffers: list[bytearray | None]) -> Iterator[Any]:
         yield serialization.decode_state(taken.pop())  # type: ignore[arg-type]
 
 
+# On gloo, chunks that straddle tensors are packed on the sender; small chunks keep that
+# packing pipelined with the sends (measured at world 2, 512 MiB states: 0.55 s with 16 MiB
+# chunks, 1.05 s with 256 MiB). On NCCL a chunk is a device transfer: larger is better.
+GLOO_STATE_CHUNK_BYTES = 16 * 2**20
+
+
+def resolve_state_chunk_bytes(group: dist.ProcessGroup | None) -> int:
+    """The default chunk for gather_state_dicts on ``group`` (the same on every rank)."""
+    if dist.is_available() and dist.is_initialized() and _agree.group_has_nccl(group):
+        return DEFAULT_CHUNK_BYTES
+    return GLOO_STATE_CHUNK_BYTES
+
+
 def gather_state_dicts(state: dict, dst: int, group: dist.ProcessGroup | None = None, *,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[dict]:
+                       chunk_bytes: int | None = None) -> Iterator[dict]:
     """Gathers ``state`` from every rank of ``group`` to global rank ``dst``, loaded with ``weights_only``.
 
     Yields one rank's dict at a time on ``dst`` (in group rank order, to bound host memory)
@@ -42,7 +55,8 @@ def gather_state_dicts(state: dict, dst: int, group: dist.ProcessGroup | None = 
     Memory at peak:
         Senders: no encoded copy of the state. A transport chunk inside one tensor is sent
         from the tensor's own memory; a chunk that straddles tensors is packed by the compiled
-        core into one of two staging chunks, so at most ``2 x chunk_bytes`` extra. CUDA
+        core into one of two staging chunks, so at most ``2 x chunk_bytes`` extra
+        (32 MiB on gloo by default). CUDA
         tensors are first copied to host, once per storage.
         ``dst``: every rank's encoded bytes (the gathered bytes, about the states' tensor
         bytes plus small headers) -- the collective is eager -- and nothing more: decoding
@@ -54,7 +68,8 @@ def gather_state_dicts(state: dict, dst: int, group: dist.ProcessGroup | None = 
         dst: The global rank that receives.
         group: The process group (default: the world); only its members call.
         chunk_bytes: Transport chunk size, as for :func:`~distributed_ext.gather_bytes` (an
-            addition to the spec's signature, keyword-only); the same on every rank.
+            addition to the spec's signature, keyword-only); the same on every rank. None:
+            16 MiB on gloo, 256 MiB on NCCL (see :func:`resolve_state_chunk_bytes`).
 
     Returns:
         On ``dst``, an iterator of the states in group rank order; elsewhere an empty one.
@@ -69,6 +84,8 @@ def gather_state_dicts(state: dict, dst: int, group: dist.ProcessGroup | None = 
         holder["encoded"] = encoded  # keep the segments' owners alive through the transfer
         return encoded.source()
 
+    if chunk_bytes is None:
+        chunk_bytes = resolve_state_chunk_bytes(group)
     buffers = gather_source(resolve_source, dst, group, chunk_bytes, "gather_state_dicts")
     holder.clear()
     if buffers is None:
