@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include "device_copy.h"
+#include "device_pack.h"
 #include "segments.h"
 
 #ifndef DEXT_TORCH_VERSION
@@ -83,4 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_async", &distributed_ext::copy_async, pybind11::arg("dst_ptr"),
         pybind11::arg("src_ptr"), pybind11::arg("nbytes"), pybind11::arg("stream"),
         "Enqueue a cudaMemcpyAsync on a stream (CUDA build only).");
+  m.def("device_pack_pieces", &distributed_ext::device_pack_pieces, pybind11::arg("table_ptr"),
+        pybind11::arg("npieces"), pybind11::arg("stream"),
+        "One kernel copying rows (src_ptr, dst_ptr, nbytes) of a device table (CUDA build only).");
 }

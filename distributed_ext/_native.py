@@ -133,3 +133,17 @@ def copy_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: int) -> None:
     the copy (record an event on ``stream`` and wait on it before reusing either).
     """
     _C.copy_async(dst_ptr, src_ptr, nbytes, stream)
+
+
+def device_pack_pieces(table: torch.Tensor, stream: int) -> None:
+    """Launches one kernel copying each row ``(src_ptr, dst_ptr, nbytes)`` of ``table``.
+
+    ``table`` is a contiguous int64 CUDA tensor of shape [n, 3] of device addresses. Lifetime:
+    the table and every buffer it names stay alive (sources unmodified) until ``stream`` has
+    passed the kernel. CUDA build only.
+    """
+    if table.dtype != torch.int64 or table.dim() != 2 or table.size(1) != 3:
+        raise ValueError("device_pack_pieces: table must be int64 of shape [n, 3]")
+    if not table.is_contiguous() or table.device.type != "cuda":
+        raise ValueError("device_pack_pieces: table must be a contiguous CUDA tensor")
+    _C.device_pack_pieces(table.data_ptr(), table.size(0), stream)

@@ -352,3 +352,42 @@ def test_planted_pickle_never_runs(tmp_path, monkeypatch):
 def test_decode_rejects_non_buffers():
     with pytest.raises(TypeError, match="got str"):
         S.decode_state("not bytes")  # type: ignore[arg-type]
+
+
+# -- CUDA ------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_cuda_state_arrives_on_cpu_packed_on_device():
+    dev = torch.device("cuda", 0)
+    emb = torch.randn(1000, 64, device=dev)
+    state = {f"small.{i}": torch.randn(i + 1, device=dev).to(torch.bfloat16) for i in range(300)}
+    state.update({"emb": emb, "head": emb, "row": emb[7], "big": torch.randn(2**24 + 3, device=dev),
+                  "cpu": torch.arange(5)})
+    out = roundtrip(state)
+    for k, v in state.items():
+        assert out[k].device.type == "cpu" and torch.equal(out[k], v.cpu()), k
+    assert out["emb"] is out["head"]
+    assert out["row"].untyped_storage().data_ptr() == out["emb"].untyped_storage().data_ptr()
+
+
+def test_cuda_sources_compile_with_nvcc(tmp_path):
+    # A syntax/type check of csrc/cuda/*.cu where nvcc exists, also on machines without a GPU.
+    import shutil
+    import subprocess
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found: the CUDA sources can only be checked where a toolkit is")
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cuda_dir = os.path.join(root, "csrc", "cuda")
+    sources = sorted(f for f in os.listdir(cuda_dir) if f.endswith(".cu"))
+    assert sources
+    for name in sources:
+        proc = subprocess.run(
+            [nvcc, "-c", "-std=c++17", f"-I{include}", os.path.join(cuda_dir, name),
+             "-o", str(tmp_path / (name + ".o"))],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]

@@ -169,3 +169,18 @@ def test_single_process():
     assert len(out) == 1 and torch.equal(out[0]["a"], torch.ones(2)) and out[0]["m"] == [1, "x"]
     with pytest.raises(TypeError, match="must be a dict"):
         list(dx.gather_state_dicts([1, 2], 0))  # type: ignore[arg-type]
+
+
+def _nccl_world_1(path):
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        state = {"w": torch.randn(300, 300, device="cuda"), "b": torch.arange(3)}
+        (out,) = list(dx.gather_state_dicts(state, 0))
+        return torch.equal(out["w"], state["w"].cpu()) and torch.equal(out["b"], state["b"])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_gather_state_dicts_on_an_nccl_group_of_world_1(tmp_path):
+    assert assert_all_ok(run_ranks(_nccl_world_1, 1, str(tmp_path / "s"), init=False)) == [True]
