@@ -13,8 +13,10 @@ from distributed_ext.collectives import (
     broadcast_from,
     master_only,
 )
+from distributed_ext.fsdp import fsdp2_wrap, is_fsdp2_model
 from distributed_ext.gather import gather_bytes
 from distributed_ext.groups import DistributedProcessGroup, ParallelState
+from distributed_ext.plan import DistributionPlan, distribution_plan, set_distribution_plan
 from distributed_ext.runtime import (
     DistributedState,
     abort,
@@ -36,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DistributedProcessGroup",
     "DistributedState",
+    "DistributionPlan",
     "ParallelState",
     "abort",
     "all_reduce",
@@ -47,14 +50,18 @@ __all__ = [
     "broadcast_from",
     "build_info",
     "distributed_run",
+    "distribution_plan",
+    "fsdp2_wrap",
     "gather_bytes",
     "gather_state_dicts",
     "is_available",
     "is_distributed_launch",
     "is_distributed_run",
+    "is_fsdp2_model",
     "is_initialized",
     "is_master",
     "master_only",
     "rank",
+    "set_distribution_plan",
     "size",
 ]
