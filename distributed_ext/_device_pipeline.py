@@ -154,6 +154,7 @@ class DeviceGather:
         me = self.ctx.rank
         if source.nbytes:  # dst's own bytes never touch the device
             source.pack(0, byte_tensor(outputs[me]))
+        self.done = source.nbytes
         out_ptrs = [byte_tensor(outputs[r]).data_ptr() if self.sizes[r] else 0
                     for r in self.senders]
         d2h = [torch.cuda.Event(), torch.cuda.Event()]
@@ -189,6 +190,10 @@ class DeviceGather:
 
     def _unpack(self, item: tuple[int, list[tuple[int, int, int]]],
                 d2h: list[torch.cuda.Event]) -> None:
+        from distributed_ext.gather import _report
+
         slot, table = item
         d2h[slot].synchronize()
         _native.unpack_segments(self.pinned.view(-1), table)
+        self.done += sum(n for _p, _o, n in table)
+        _report(self.done, sum(self.sizes))

@@ -15,9 +15,11 @@ The protocol, on every rank of the group:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +31,30 @@ from distributed_ext._source import ByteSource
 __all__ = ["DEFAULT_CHUNK_BYTES", "gather_bytes", "gather_source"]
 
 DEFAULT_CHUNK_BYTES = 268435456  # 256 MiB
+
+ProgressCallback = Callable[[int, int], None]
+_progress = threading.local()
+
+
+@contextlib.contextmanager
+def report_progress(callback: ProgressCallback) -> Iterator[None]:
+    """Within the block, ``callback(bytes_done, bytes_total)`` runs on dst as chunks land.
+
+    For progress bars (``distributed-ext-bench``): it is called from the gathering thread
+    between transfers, so it must be quick. Other ranks never call it.
+    """
+    previous = getattr(_progress, "callback", None)
+    _progress.callback = callback
+    try:
+        yield
+    finally:
+        _progress.callback = previous
+
+
+def _report(done: int, total: int) -> None:
+    callback = getattr(_progress, "callback", None)
+    if callback is not None:
+        callback(done, total)
 
 
 def _as_byte_view(data: object) -> memoryview:
@@ -126,13 +152,18 @@ def _gather_gloo(source: ByteSource, sizes: Sequence[int], outputs: list[bytearr
         if r == me or nbytes == 0:
             continue
         target = byte_tensor(outputs[r])
-        works += [dist.irecv(target[s : s + n], ctx.ranks[r], group=ctx.group, tag=i)
+        works += [(dist.irecv(target[s : s + n], ctx.ranks[r], group=ctx.group, tag=i), n)
                   for i, (s, n) in enumerate(_chunks(nbytes, chunk))]
+    total = sum(sizes)
     # dst's own bytes: one native copy (GIL released) while the receives run.
     if source.nbytes:
         source.pack(0, byte_tensor(outputs[me]))
-    for w in works:
+    done = source.nbytes
+    _report(done, total)
+    for w, n in works:
         w.wait()
+        done += n
+        _report(done, total)
 
 
 def gather_bytes(

@@ -1,0 +1,124 @@
+"""The main job: distributed-ext-bench's parsing, a short real run, Ctrl-C cleanup."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distributed_ext import bench
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("4096", 4096), ("1KiB", 1024), ("512MiB", 512 * 2**20), ("1GiB", 2**30), ("1.5GB", 1.5e9),
+     ("2 MiB", 2 * 2**20), ("1gib", 2**30), ("3M", 3 * 2**20)],
+)
+def test_parse_size(text, value):
+    assert bench.parse_size(text) == int(value)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1TB", "-5MiB", "0", "1.2.3GiB", "nanGiB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="bad size"):
+        bench.parse_size(text)
+
+
+def test_parse_args_defaults_and_errors(capsys):
+    args = bench.parse_args([])
+    assert (args.world, args.size, args.repeat, args.workloads) == (2, 256 * 2**20, 3,
+                                                                     ["bytes", "state-dict"])
+    assert bench.parse_args(["--workload", "bytes"]).workloads == ["bytes"]
+    for bad, text in ((["--world", "0"], "--world must be at least 1"),
+                      (["--size", "lots"], "bad size"), (["--repeat", "0"], "--repeat"),
+                      (["--workload", "pickle"], "invalid choice")):
+        with pytest.raises(SystemExit) as info:
+            bench.parse_args(bad)
+        assert info.value.code == 2
+        assert text in capsys.readouterr().err
+
+
+def test_plot_needs_matplotlib(tmp_path, capsys):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--plot", str(tmp_path / "p.png")])
+        assert "pip install" in capsys.readouterr().err
+    else:
+        results = [bench.Result("bytes", m, 2, 100, 1.0, 0.5, 10) for m in
+                   ("distributed_ext", "torch baseline")]
+        bench.plot(results, str(tmp_path / "p.png"))
+        assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_memory_is_refused_up_front_with_the_numbers(monkeypatch):
+    monkeypatch.setattr(bench, "available_bytes", lambda: 2 * 2**30)
+    with pytest.raises(SystemExit) as info:
+        bench.check_memory(2**30, 2, baseline=True)
+    msg = str(info.value)
+    assert "1 GiB" in msg and "2 GiB is available" in msg and "--no-baseline" in msg
+    bench.check_memory(2**20, 2, baseline=True)  # small enough: no error
+
+
+def test_make_state_is_llm_shaped_and_sized():
+    state = bench.make_state(48 * 2**20)
+    assert sum(t.numel() * t.element_size() for t in state.values()) == 48 * 2**20
+    assert any(t.shape == (4096, 4096) for t in state.values())
+    assert sum(1 for t in state.values() if t.numel() <= 4096) >= 100
+
+
+def test_short_real_run_world_2(tmp_path, capsys):
+    out = tmp_path / "figures.json"
+    code = bench.main(["--world", "2", "--size", "2MiB", "--repeat", "1", "--quiet",
+                       "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert [(r["workload"], r["method"]) for r in rows] == [
+        ("bytes", "distributed_ext"), ("bytes", "torch baseline"),
+        ("state-dict", "distributed_ext"), ("state-dict", "torch baseline")]
+    for r in rows:
+        assert r["world"] == 2 and r["size"] == 2 * 2**20 and r["seconds"] > 0 and r["gbps"] > 0
+    assert rows[0]["ratio"] > 0 and rows[2]["ratio"] > 0
+    table = capsys.readouterr().out
+    assert "| workload | world | size/rank |" in table and "distributed_ext" in table
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ctrl_c_stops_every_local_rank():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distributed_ext.bench", "--world", "2", "--size", "64MiB",
+         "--repeat", "1000", "--workload", "bytes", "--no-baseline", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in re.findall(r"\d+", line.split("pids", 1)[1].split(")")[0])]
+        assert len(pids) == 2, line
+        time.sleep(4)  # the ranks are set up and gathering
+        assert proc.poll() is None and all(_alive(p) for p in pids)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 130, proc.stderr.read()
+    assert "interrupted" in proc.stderr.read()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "a local rank outlived the benchmark"
