@@ -3,13 +3,16 @@
 Prints, in one run, for each world size and payload size per rank: seconds and GB/s of
 ``gather_bytes``, of ``dist.gather_object`` on the same payloads, and of raw gloo send/recv of
 preallocated tensors into freshly allocated outputs (the transport's ceiling here), plus the
-dst peak RSS each call adds (peak during the call minus RSS before it), and the ratios.
+dst peak RSS each call adds (peak sampled during the call minus RSS before it), and the
+ratios.
 
 GB/s counts the bytes dst ends up holding from the other ranks (sum of their payloads) per
-second of wall time on dst, from a barrier to the call's return.
+second of wall time on dst, from a barrier to the call's return. Each figure is the median of
+``--repeat`` calls in the same fresh ranks after one warm-up call (full size for gather_bytes
+and raw, 1 MiB for the slow gather_object).
 
 Usage:
-    python benchmarks/bench_gather.py [--worlds 2 3] [--sizes 256MiB 1GiB] [--repeat 1]
+    python benchmarks/bench_gather.py [--worlds 2 3] [--sizes 256MiB 1GiB] [--repeat 3]
         [--chunk-bytes 256MiB] [--skip-gather-object] [--json PATH]
 """
 
@@ -21,7 +24,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
@@ -52,17 +54,8 @@ def fmt_size(n: int) -> str:
     return f"{n} B"
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _rank_main(method: str, rank: int, world: int, size: int, chunk: int, store: str,
-               queue: mp.Queue) -> None:
+               queue: mp.Queue, repeat: int = 1) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -74,16 +67,22 @@ def _rank_main(method: str, rank: int, world: int, size: int, chunk: int, store:
     if size:
         torch.frombuffer(payload, dtype=torch.uint8).random_(0, 256)
     dst = 0
-    # Warm up the same path on a small payload (connections, thread pools), for every method.
-    _transfer(method, bytearray(2**20), rank, world, dst, chunk)
+    from distributed_ext.bench import PeakRSS
+
+    # Warm up every method once (connections, thread pools, the allocator), at full size for
+    # the fast ones; gather_object, seconds per call, gets a 1 MiB warm-up.
+    warm = bytearray(2**20) if method == "gather_object" else payload
+    _transfer(method, warm, rank, world, dst, chunk)
+    times, peaks, ok = [], [], True
+    for _ in range(repeat):
+        dist.barrier()
+        with PeakRSS() as rss:  # samples RSS every 5 ms during the call
+            start = time.perf_counter()
+            ok = _transfer(method, payload, rank, world, dst, chunk) and ok
+            times.append(time.perf_counter() - start)
+        peaks.append(rss.added)
     dist.barrier()
-    rss_before = _current_rss()
-    start = time.perf_counter()
-    ok = _transfer(method, payload, rank, world, dst, chunk)
-    seconds = time.perf_counter() - start
-    peak = _peak_rss() - rss_before
-    dist.barrier()
-    queue.put((rank, seconds, peak, ok))
+    queue.put((rank, statistics.median(times), max(peaks), ok))
     dist.destroy_process_group()
 
 
@@ -119,8 +118,8 @@ def _transfer(method: str, payload: bytearray, rank: int, world: int, dst: int,
 
 
 def run_case(method: str, world: int, size: int, chunk: int, timeout: float = 1800,
-             rank_main=None) -> dict:
-    """Runs ``rank_main(method, rank, world, size, chunk, store, queue)`` in fresh local ranks.
+             rank_main=None, repeat: int = 1) -> dict:
+    """Runs ``rank_main(method, rank, world, size, chunk, store, queue, repeat)`` in fresh ranks.
 
     Each rank puts ``(rank, seconds, dst_peak_rss, ok)``; rank 0's figures are returned.
     """
@@ -129,7 +128,8 @@ def run_case(method: str, world: int, size: int, chunk: int, timeout: float = 18
     target = rank_main or _rank_main
     with tempfile.TemporaryDirectory(prefix="dext-bench-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=target, args=(method, r, world, size, chunk, store, queue))
+        procs = [ctx.Process(target=target, args=(method, r, world, size, chunk, store, queue,
+                                                        repeat))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=parse_size, nargs="+", default=[parse_size("256MiB"),
                                                                     parse_size("1GiB")])
     ap.add_argument("--chunk-bytes", type=parse_size, default=parse_size("256MiB"))
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed calls per figure in the same ranks, after a warm-up; median")
     ap.add_argument("--skip-gather-object", action="store_true",
                     help="leave out the (slow) dist.gather_object baseline")
     ap.add_argument("--json", metavar="PATH")
@@ -178,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes:
             figures = {}
             for method in methods:
-                runs = [run_case(method, world, size, args.chunk_bytes) for _ in range(args.repeat)]
-                med = statistics.median(r["seconds"] for r in runs)
-                best = min(runs, key=lambda r: abs(r["seconds"] - med))
+                best = run_case(method, world, size, args.chunk_bytes, repeat=args.repeat)
                 figures[method] = best
                 print(f"  {method:>13}  world={world} size={fmt_size(size):>8}: "
                       f"{best['seconds']:8.3f} s {best['gbps']:7.3f} GB/s  dst peak RSS "

@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_gather import _current_rss, _peak_rss, fmt_size, parse_size, run_case  # noqa: E402
+from bench_gather import fmt_size, parse_size, run_case  # noqa: E402
 
 
 def make_state(nbytes: int, seed: int = 0) -> dict:
@@ -101,7 +101,7 @@ def part1(size: int, repeat: int) -> list[tuple[str, float]]:
     return rows
 
 
-def _rank_main(method, rank, world, size, chunk, store, queue):
+def _rank_main(method, rank, world, size, chunk, store, queue, repeat=1):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -110,9 +110,11 @@ def _rank_main(method, rank, world, size, chunk, store, queue):
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=20))
+    from distributed_ext.bench import PeakRSS
+
     state = make_state(size, seed=rank)
     dist.barrier()
-    before = _current_rss()
+    rss = PeakRSS().__enter__()  # samples RSS every 5 ms until __exit__
     start = time.perf_counter()
     if method == "gather_state_dicts":
         got = [len(s) for s in dx.gather_state_dicts(state, 0, chunk_bytes=chunk)]
@@ -124,7 +126,8 @@ def _rank_main(method, rank, world, size, chunk, store, queue):
         del bio
         got = [len(torch.load(io.BytesIO(b), weights_only=True)) for b in holder or []]
     seconds = time.perf_counter() - start
-    peak = _peak_rss() - before
+    rss.__exit__(None, None, None)
+    peak = rss.added
     ok = rank != 0 or got == [len(state)] * world
     dist.barrier()
     queue.put((rank, seconds, peak, ok))

@@ -138,7 +138,7 @@ def test_malicious_pickle_comes_back_as_raw_bytes(tmp_path):
 def _bad_args(bad_rank, kind):
     me = dist.get_rank()
     data, dst, chunk = b"x" * 10, 0, 1000
-    if me == bad_rank:
+    if me == bad_rank or bad_rank == "all":
         if kind == "type":
             data = "a str, not bytes"
         elif kind == "chunk":
@@ -179,6 +179,15 @@ def test_bad_argument_on_one_rank_raises_on_every_rank(kind, exc, text):
     for r in (0, 2):
         assert values[r][0][:2] == ("raised", "RuntimeError")
         assert f"rank 1 failed with {exc}" in values[r][0][2] and text in values[r][0][2]
+    assert values[0][1] == [b"after"] * 3
+
+
+@pytest.mark.parametrize("kind, exc", [("chunk", "ValueError"), ("type", "TypeError")])
+def test_bad_argument_on_every_rank(kind, exc):
+    values = assert_all_ok(run_ranks(_bad_args, 3, "all", kind))
+    for result, _after in values:
+        assert result[:2] == ("raised", exc)  # each rank its own error
+        assert "gather_bytes:" in result[2]
     assert values[0][1] == [b"after"] * 3
 
 

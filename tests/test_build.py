@@ -1,0 +1,51 @@
+"""setup.py's choice of extension: printed, forced by DISTRIBUTED_EXT_CUDA, loud when impossible."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _setup(env_value: str | None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("DISTRIBUTED_EXT_CUDA", None)
+    if env_value is not None:
+        env["DISTRIBUTED_EXT_CUDA"] = env_value
+    # --version builds nothing: it runs setup.py's choice and prints the version.
+    return subprocess.run([sys.executable, "setup.py", "--version"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cpu_build_forced_and_printed():
+    proc = _setup("0")
+    assert proc.returncode == 0, proc.stderr
+    assert "building CppExtension" in proc.stderr and "DISTRIBUTED_EXT_CUDA=0" in proc.stderr
+
+
+def test_choice_printed_by_default():
+    proc = _setup(None)
+    assert proc.returncode == 0, proc.stderr
+    cuda_possible = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    expected = "CUDAExtension" if cuda_possible else "CppExtension"
+    assert f"building {expected} against torch {torch.__version__}" in proc.stderr
+
+
+def test_cuda_forced_fails_loudly_when_impossible():
+    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
+        pytest.skip("CUDA can be built here (a CUDA torch and a toolkit are present)")
+    proc = _setup("1")
+    assert proc.returncode != 0
+    assert "DISTRIBUTED_EXT_CUDA=1 but CUDA cannot be built" in proc.stderr
+    assert "is not a CUDA build" in proc.stderr or "no CUDA toolkit" in proc.stderr
+
+
+def test_bad_setting_is_refused():
+    proc = _setup("yes")
+    assert proc.returncode != 0 and "must be 0, 1 or unset" in proc.stderr
