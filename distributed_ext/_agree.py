@@ -58,7 +58,7 @@ class Status:
             code = exc.code
             if code is None:
                 number, message = 0, ""
-            elif isinstance(code, int):
+            elif isinstance(code, int) and -(2**63) <= code < 2**63:
                 number, message = code, ""
             else:  # sys.exit("message") exits with 1 and prints the message
                 number, message = 1, str(code)

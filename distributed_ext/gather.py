@@ -92,10 +92,10 @@ def _check_int(name: str, value: object) -> int:
 
 def _check_args(dst: object, chunk_bytes: object, ctx: _agree.GroupContext) -> None:
     chunk = _check_int("chunk_bytes", chunk_bytes)
-    if chunk <= 0:
+    if chunk <= 0 or chunk >= 2**62:  # the status record carries it as an int64
         raise ValueError(
-            f"gather_bytes: chunk_bytes must be a positive number of bytes, got {chunk}; the "
-            f"default is {DEFAULT_CHUNK_BYTES} (256 MiB)"
+            f"gather_bytes: chunk_bytes must be a positive number of bytes below 2**62, got "
+            f"{chunk}; the default is {DEFAULT_CHUNK_BYTES} (256 MiB)"
         )
     d = _check_int("dst", dst)
     if ctx.group_rank_of(d) is None:

@@ -143,6 +143,8 @@ def _bad_args(bad_rank, kind):
             data = "a str, not bytes"
         elif kind == "chunk":
             chunk = 0
+        elif kind == "chunk_huge":
+            chunk = 2**70
         elif kind == "chunk_type":
             chunk = 1.5
         elif kind == "dst":
@@ -169,6 +171,7 @@ def _bad_args(bad_rank, kind):
         ("type", "TypeError", "got str"),
         ("noncontiguous", "TypeError", "non-contiguous"),
         ("chunk", "ValueError", "chunk_bytes must be a positive"),
+        ("chunk_huge", "ValueError", "below 2**62"),
         ("chunk_type", "TypeError", "chunk_bytes must be an int"),
         ("dst", "ValueError", "dst=7 is not a member"),
     ],
@@ -238,6 +241,8 @@ def test_single_process():
         dx.gather_bytes(5, 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chunk_bytes"):
         dx.gather_bytes(b"abc", 0, chunk_bytes=-1)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        dx.gather_bytes(b"abc", 0, chunk_bytes=2**64)
 
 
 # -- CUDA: the device pipeline -----------------------------------------------------------------
