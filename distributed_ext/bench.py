@@ -236,8 +236,27 @@ def _payload(size: int, rank: int) -> bytearray:
     return data
 
 
+def _warm_up(workload: str, method: str, dst: int, world: int) -> None:
+    """One small call of the same kind first (connections, thread pools), for every method."""
+    import torch.distributed as dist
+
+    import distributed_ext as dx
+
+    if method == "distributed_ext":
+        if workload == "bytes":
+            dx.gather_bytes(bytearray(2**20), dst)
+        else:
+            list(dx.gather_state_dicts(make_state(2**20), dst))
+    else:
+        dist.gather_object(bytes(2**20), [None] * world if dist.get_rank() == dst else None,
+                           dst=dst)
+
+
 def run_workloads(args: argparse.Namespace, rank: int, world: int) -> list[Result]:
-    """Runs every workload and method on this rank (collective); dst returns the results."""
+    """Runs every workload and method on this rank (collective); dst returns the results.
+
+    Each method first makes one small warm-up call, then ``args.repeat`` timed calls (median).
+    """
     import torch
     import torch.distributed as dist
 
@@ -258,6 +277,7 @@ def run_workloads(args: argparse.Namespace, rank: int, world: int) -> list[Resul
                 data = make_state(args.size, seed=rank)
             moved = sum(t.numel() * t.element_size() for t in data.values()) \
                 if isinstance(data, dict) else len(data)
+            _warm_up(workload, method, dst, world)
             secs, peaks = [], []
             for rep in range(args.repeat):
                 label = f"{workload} ({method}) {rep + 1}/{args.repeat}"
@@ -314,8 +334,10 @@ def format_table(results: list[Result]) -> str:
     lines = ["| workload | world | size/rank | method | seconds | GB/s | dst peak RSS | "
              "vs baseline |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        ratio = f"{r.ratio:.1f}x faster" if r.ratio else ("1.0x" if "baseline" in r.method
-                                                         else "-")
+        if r.ratio:
+            ratio = f"{r.ratio:.1f}x faster" if r.ratio >= 1 else f"{1 / r.ratio:.1f}x slower"
+        else:
+            ratio = "1.0x" if "baseline" in r.method else "-"
         lines.append(f"| {r.workload} | {r.world} | {format_size(r.size)} | {r.method} | "
                      f"{r.seconds:.3f} | {r.gbps:.3f} | +{format_size(r.dst_peak_rss)} | "
                      f"{ratio} |")

@@ -171,6 +171,15 @@ def run_ranks(
         return results
 
 
+def free_port() -> int:
+    """A TCP port free on localhost right now (for a launcher's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def assert_all_ok(results: list[RankResult]) -> list[Any]:
     """Asserts every rank succeeded; returns the values in rank order."""
     bad = [r for r in results if not r.ok]

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from harness import free_port
 
 from distributed_ext import bench
 
@@ -122,3 +123,19 @@ def test_ctrl_c_stops_every_local_rank():
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), "a local rank outlived the benchmark"
+
+
+def test_under_torchrun_on_cpu(tmp_path):
+    # A launch: the command joins it (gloo on a CPU-only node) instead of spawning ranks.
+    out = tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()),
+         "-m", "distributed_ext.bench", "--size", "1MiB", "--repeat", "1", "--quiet",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torchrun, 2 ranks, gloo" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and all(r["world"] == 2 for r in rows)

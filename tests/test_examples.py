@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from harness import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "export_shards.py")
@@ -39,3 +40,20 @@ def test_export_shards_world_2(tmp_path):
     assert set(loaded) == set(full)
     for k, v in full.items():
         assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+
+
+def test_export_shards_under_torchrun(tmp_path):
+    out = tmp_path / "shards"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), EXAMPLE, "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    example = _example_module()
+    full = example.build_model().state_dict()
+    for r in range(2):
+        shard = safetensors_torch.load_file(example.shard_path(str(out), r, 2))
+        for k, v in shard.items():
+            assert torch.equal(v, full[k]), k
