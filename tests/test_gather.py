@@ -294,3 +294,20 @@ def test_peak_host_memory_is_the_outputs_only():
     assert dst_extra <= 2 * size + 24 * 2**20, dst_extra / 2**20
     # sender: sends from views of its own buffer.
     assert sender_extra <= 24 * 2**20, sender_extra / 2**20
+
+
+def _peer_dies_before_gather():
+    if dist.get_rank() == 1:
+        os._exit(9)
+    try:
+        dx.gather_bytes(b"x" * 1000, 0)
+        return ("ok",)
+    except Exception as exc:
+        return ("raised", type(exc).__name__)
+
+
+def test_dead_peer_makes_gather_raise_not_hang():
+    res = run_ranks(_peer_dies_before_gather, 3, pg_timeout=10, timeout=60)
+    assert res[1].exit_code == 9
+    for r in (0, 2):
+        assert not res[r].timed_out and res[r].value[0] == "raised", res[r]

@@ -102,29 +102,32 @@ def test_bad_buffers_are_value_errors():
 
 
 def test_copy_releases_the_gil():
-    # While a ~0.3 s native copy runs in a thread, this thread must keep running Python.
-    src = torch.ones(256 * 2**20, dtype=torch.uint8)
+    # While native copies run in a thread, this thread must keep running Python. With the GIL
+    # held, it could run only between copies, never while one is in progress.
+    src = torch.ones(128 * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    reps = 4
+    reps = 6
+    in_copy = threading.Event()
     done = threading.Event()
 
     def copy() -> None:
         for _ in range(reps):
+            in_copy.set()
             _native.copy_bytes(dst.data_ptr(), src.data_ptr(), src.numel())
+            in_copy.clear()
         done.set()
 
-    start = time.perf_counter()
     worker = threading.Thread(target=copy)
-    stamps = []
+    during = 0
     worker.start()
     while not done.is_set():
-        stamps.append(time.perf_counter())
-        time.sleep(0.0005)
+        if in_copy.is_set():
+            during += 1
+        time.sleep(0.0002)
     worker.join()
-    duration = time.perf_counter() - start
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    # Holding the GIL would freeze this loop for a whole copy (duration / reps).
-    assert gaps and max(gaps) < 0.5 * duration / reps + 0.02, (max(gaps), duration)
+    assert torch.equal(dst, src)
+    # Measured here: ~500 with the GIL released, ~11 for a copy that holds it (bytes(buf)).
+    assert during >= 100, f"only {during} iterations ran while a copy was in progress"
 
 
 def test_build_info_reports_the_build():
