@@ -39,6 +39,7 @@ __all__ = [
     "encode_state",
     "read_state",
     "write_state",
+    "write_state_into",
 ]
 
 MAGIC = b"DXST"
@@ -484,6 +485,35 @@ def write_state(state: Any, file: str | os.PathLike[str] | IO[bytes] | None = No
         return None
     _write_chunks(encoded, file, chunk_bytes)
     return None
+
+
+def write_state_into(state: Any, buffer: bytearray | memoryview) -> int:
+    """Writes ``state`` encoded into the start of an existing writable ``buffer``.
+
+    For writing many states through one buffer (a checkpoint loop): a reused buffer skips the
+    page faults a fresh allocation pays (about 0.2 s per GiB on a small VM). Decode the result
+    with ``decode_state(memoryview(buffer)[:n])``; its tensors then view ``buffer``, so do not
+    overwrite it while they are in use. Peak memory: nothing beyond ``buffer``.
+
+    Returns:
+        ``n``, the number of bytes written.
+
+    Raises:
+        ValueError: ``buffer`` is smaller than the encoded state (the message gives both sizes).
+        TypeError: ``buffer`` is not a writable contiguous byte buffer.
+    """
+    view = memoryview(buffer)
+    if view.readonly or not view.c_contiguous:
+        raise TypeError("write_state_into: buffer must be a writable, contiguous byte buffer "
+                        "(e.g. a bytearray)")
+    view = view.cast("B") if (view.format != "B" or view.ndim != 1) else view
+    encoded = encode_state(state)
+    if encoded.nbytes > len(view):
+        raise ValueError(f"write_state_into: the state encodes to {encoded.nbytes} bytes but "
+                         f"buffer has {len(view)}; pass a buffer of at least that size")
+    if encoded.nbytes:
+        pack_encoded(encoded, torch.frombuffer(view, dtype=torch.uint8, count=encoded.nbytes))
+    return encoded.nbytes
 
 
 def _write_chunks(encoded: EncodedState, f: IO[bytes], chunk_bytes: int) -> None:

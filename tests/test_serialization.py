@@ -198,6 +198,21 @@ def test_write_and_read_file(tmp_path):
     assert torch.equal(S.read_state(io.BytesIO(bio.getvalue()))["w"], state["w"])
 
 
+def test_write_into_a_reused_buffer():
+    buffer = bytearray(1 << 16)
+    for seed in range(3):
+        state = {"w": torch.randn(100, 50, generator=torch.Generator().manual_seed(seed))}
+        n = S.write_state_into(state, buffer)
+        assert n == len(S.write_state(state))
+        out = S.decode_state(memoryview(buffer)[:n])
+        assert torch.equal(out["w"], state["w"])
+        del out
+    with pytest.raises(ValueError, match="buffer has 100"):
+        S.write_state_into({"w": torch.randn(100)}, bytearray(100))
+    with pytest.raises(TypeError, match="writable"):
+        S.write_state_into({"w": torch.randn(1)}, bytes(1000))
+
+
 def test_failed_write_leaves_no_file(tmp_path):
     path = tmp_path / "bad.dxst"
     with pytest.raises(TypeError):
