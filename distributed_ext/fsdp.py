@@ -132,6 +132,16 @@ def _dominant_dtype(model: nn.Module) -> torch.dtype | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+def _off_dtype_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, param)`` of every parameter whose dtype differs from the model's dominant one.
+
+    The dominant dtype is the one holding the most elements. FSDP2 rejects a shard group that
+    mixes dtypes, so fsdp2_wrap keeps these out of the wrap (an fp32 router in a bf16 MoE).
+    """
+    dominant = _dominant_dtype(model)
+    return [(n, p) for n, p in model.named_parameters() if p.dtype != dominant]
+
+
 def _compute_device() -> torch.device:
     """Where FSDP2's default mesh computes: the current GPU if there is one, else the CPU."""
     if torch.cuda.is_available():
@@ -154,11 +164,12 @@ def fsdp2_wrap(
     replicated (only decoder layers sharded). Returns the detected decoder layers so callers
     can reuse the detection result.
 
-    Parameters whose dtype differs from the model's dominant one (by element count) are
-    excluded from the wrap (``ignored_params``), since FSDP2 rejects a shard group that mixes
-    dtypes. They stay replicated, are moved onto the shards' compute device (also under
-    ``cpu_offload``), and a warning names them. ``config.architectures`` keeps the model's
-    class name although ``fully_shard`` swaps the class.
+    Parameters whose dtype differs from the model's dominant one (by element count; see
+    :func:`_off_dtype_params`) are excluded from the wrap (``ignored_params``), since FSDP2
+    rejects a shard group that mixes dtypes. They stay replicated, are moved onto the shards'
+    compute device (also under ``cpu_offload``), and a warning names them.
+    ``config.architectures`` keeps the model's class name although ``fully_shard`` swaps
+    the class.
 
     Args:
         model: The model, on every rank of the default process group.
@@ -177,7 +188,7 @@ def fsdp2_wrap(
 
     found = resolve_decoder_layers(model, layers)
     dominant = _dominant_dtype(model)
-    off_dtype = [(n, p) for n, p in model.named_parameters() if p.dtype != dominant]
+    off_dtype = _off_dtype_params(model)
     device = _compute_device()
     if off_dtype:
         warnings.warn(
