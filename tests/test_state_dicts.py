@@ -184,3 +184,23 @@ def _nccl_world_1(path):
 @pytest.mark.cuda
 def test_gather_state_dicts_on_an_nccl_group_of_world_1(tmp_path):
     assert assert_all_ok(run_ranks(_nccl_world_1, 1, str(tmp_path / "s"), init=False)) == [True]
+
+
+def _dtensor_state():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    state = {"model.embed.weight": distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])}
+    try:
+        list(dx.gather_state_dicts(state, 0))
+        return ("ok",)
+    except Exception as exc:
+        return ("raised", type(exc).__name__, str(exc))
+
+
+def test_dtensor_is_a_type_error_on_every_rank():
+    for result in assert_all_ok(run_ranks(_dtensor_state, 2)):
+        assert result[:2] == ("raised", "TypeError")
+        assert "state['model.embed.weight'] is a DTensor" in result[2]
+        assert ".full_tensor()" in result[2]
