@@ -23,6 +23,7 @@ import collections
 import io
 import os
 import struct
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -90,16 +91,12 @@ def _key_path(path: str, key: object) -> str:
     return f"{_path(path)}[{key!r}]"
 
 
-def _resolve_dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-
-        return DTensor
-    except Exception:  # torch without distributed
-        return None
-
-
-_DTENSOR = _resolve_dtensor_type()
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # Whoever made a DTensor imported torch.distributed.tensor; importing it here would add
+    # ~1 s to `import distributed_ext`.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 @dataclass
@@ -211,7 +208,7 @@ class _Encoder:
         if key in self.tensor_index:
             return self.tensor_index[key]
         where = _path(path)
-        if _DTENSOR is not None and isinstance(t, _DTENSOR):
+        if _is_dtensor(t):
             raise TypeError(f"encode_state: {where} is a DTensor; call .full_tensor() (or "
                             ".to_local() for this rank's shard) first")
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(
