@@ -494,6 +494,7 @@ def run_launched(args: argparse.Namespace) -> int:
         try:
             results = run_workloads(args, dist.get_rank(), dist.get_world_size())
             where = f"torchrun, {dist.get_world_size()} ranks, gloo"
+            dist.barrier()  # tear down together
         finally:
             dist.destroy_process_group()
     if results:

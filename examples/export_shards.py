@@ -70,6 +70,8 @@ def _local_rank(out: str, rank: int, world: int, store: str) -> None:
                             timeout=datetime.timedelta(minutes=5))
     try:
         export(out, rank, world)
+        # Tear down together: no rank closes its connections while a peer still uses them.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.init_process_group("gloo")
             try:
                 export(args.out, dist.get_rank(), dist.get_world_size())
+                dist.barrier()
             finally:
                 dist.destroy_process_group()
         return 0
