@@ -81,6 +81,10 @@ def all_reduce(
 
     Values travel pickled between the ranks of one job (a trusted boundary; see the module).
 
+    Memory at peak, on every rank: ``world`` x the largest rank's pickled value (the gather
+    pads to it), on the group's device (host for gloo, the current GPU for NCCL), plus the
+    unpickled values handed to ``combine``. Meant for small values, not tensors of GBs.
+
     Args:
         label: Names the call site; every rank must pass the same one at the same point.
         fn: Computes this rank's value.
@@ -126,6 +130,9 @@ def broadcast_from(
     a rank of a launch whose process group is not set up yet raises instead.
 
     Values travel pickled between the ranks of one job (a trusted boundary; see the module).
+
+    Memory at peak, on every rank: the pickled value twice (the bytes and the broadcast
+    buffer, on the group's device) plus the unpickled value.
 
     Args:
         label: Names the call site; must match ``rank``'s label.
