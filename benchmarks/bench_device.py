@@ -18,9 +18,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_gather import parse_size  # noqa: E402
+from distributed_ext.bench import parse_size
 
 
 def _rate(nbytes: int, fn, repeat: int = 3) -> float:

@@ -29,29 +29,7 @@ import sys
 import tempfile
 import time
 
-UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
-         "gb": 10**9}
-
-
-def parse_size(text: str) -> int:
-    """'1GiB', '512MiB', '4096' -> bytes."""
-    raw = text.strip().lower()
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(number):]
-    if unit not in UNITS or not number:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r}: expected a number with an optional unit (KiB, MiB, GiB, KB, MB, GB)")
-    value = int(float(number) * UNITS[unit])
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"size {text!r} is negative")
-    return value
-
-
-def fmt_size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
+from distributed_ext.bench import format_size, parse_size
 
 
 def _rank_main(method: str, rank: int, world: int, size: int, chunk: int, store: str,
@@ -181,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             for method in methods:
                 best = run_case(method, world, size, args.chunk_bytes, repeat=args.repeat)
                 figures[method] = best
-                print(f"  {method:>13}  world={world} size={fmt_size(size):>8}: "
+                print(f"  {method:>13}  world={world} size={format_size(size):>8}: "
                       f"{best['seconds']:8.3f} s {best['gbps']:7.3f} GB/s  dst peak RSS "
                       f"+{best['dst_peak_rss'] / 2**20:7.0f} MiB", flush=True)
             rows.append(figures)
@@ -196,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         obj = figures.get("gather_object")
         world, size = ours["world"], ours["size"]
         bound = world * size + 3 * min(args.chunk_bytes, size) + 256 * 2**20
-        print(f"| {world} | {fmt_size(size)} | {ours['seconds']:.3f} | {ours['gbps']:.3f} | "
+        print(f"| {world} | {format_size(size)} | {ours['seconds']:.3f} | {ours['gbps']:.3f} | "
               f"{raw['gbps']:.3f} | {ours['gbps'] / raw['gbps']:.2f}x | "
               + (f"{obj['gbps']:.3f} | {ours['gbps'] / obj['gbps']:.1f}x | " if obj else "- | - | ")
               + f"{ours['dst_peak_rss'] / 2**20:.0f} / {bound / 2**20:.0f} / "

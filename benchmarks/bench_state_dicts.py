@@ -26,7 +26,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_gather import fmt_size, parse_size, run_case  # noqa: E402
+from bench_gather import run_case  # noqa: E402
+
+from distributed_ext.bench import format_size, parse_size  # noqa: E402
 
 
 def make_state(nbytes: int, seed: int = 0) -> dict:
@@ -147,7 +149,7 @@ def _rank_main(method, rank, world, size, chunk, store, queue, repeat=1):
 
 
 def part2(size: int, chunk: int, world: int) -> None:
-    print(f"\npart 2: gather of {fmt_size(size)} states per rank at world {world} (gloo)",
+    print(f"\npart 2: gather of {format_size(size)} states per rank at world {world} (gloo)",
           flush=True)
     ours = run_case("gather_state_dicts", world, size, chunk, rank_main=_rank_main)
     base = run_case("torch.save+gather_object+torch.load", world, size, chunk,

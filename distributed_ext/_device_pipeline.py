@@ -2,8 +2,8 @@
 
 Per step, every rank that still has bytes moves one chunk of at most ``chunk_bytes``:
 
-    sender:  host data --copy_bytes--> pinned[slot] --copy_async(H2D, side stream)--> dev[slot]
-             --NCCL send-->
+    sender:  host segments --ByteSource.pack--> pinned[slot]
+             --copy_async(H2D, side stream)--> dev[slot] --NCCL send-->
     dst:     --NCCL recv--> dev[slot, i] --copy_async(D2H, side stream)--> pinned[slot, i]
              --unpack_segments--> output bytearrays
 
@@ -106,7 +106,7 @@ class DeviceGather:
         sent = [self.sizes[r] for r in self.senders]
         # Never allocate a chunk larger than the largest payload: same answer on every rank.
         self.chunk = max(1, min(chunk, max(sent, default=0)))
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = ctx.device  # the current GPU (gather_source's data context)
         self.stream = torch.cuda.Stream(self.device)
         self.steps = max((_steps(n, self.chunk) for n in sent), default=0)
         me = ctx.rank

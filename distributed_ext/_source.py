@@ -41,6 +41,13 @@ class ByteSource:
             return seg[start - base : start - base + n]
         return None
 
+    def to_bytearray(self) -> bytearray:
+        """All the bytes in one new bytearray (one native pack, GIL released)."""
+        out = _native.empty_bytearray(self.nbytes)
+        if self.nbytes:
+            self.pack(0, torch.frombuffer(out, dtype=torch.uint8))
+        return out
+
     def pack(self, start: int, dst: torch.Tensor) -> None:
         """Copies ``[start, start + dst.numel())`` into ``dst`` (native, GIL released)."""
         end = start + dst.numel()

@@ -227,11 +227,7 @@ def gather_source(
     if not runtime.is_initialized():
         ctx = _agree.GroupContext(None, 0, [0], torch.device("cpu"))
         _check_args(dst, chunk_bytes, ctx)
-        source = resolve_source()
-        out = _native.empty_bytearray(source.nbytes)
-        if source.nbytes:
-            source.pack(0, byte_tensor(out))
-        return [out]
+        return [resolve_source().to_bytearray()]
 
     ctx = _agree.resolve_group(group, what)
     # Round 1: arguments and sizes.

@@ -126,7 +126,6 @@ class _Encoder:
         self.out = bytearray()
         self.tensor_index: dict[int, int] = {}  # id(tensor) -> index
         self.tensors: list[torch.Tensor] = []  # as given (kept alive for id() stability)
-        self.tensor_paths: list[str] = []
 
     # -- values --------------------------------------------------------------------------
     def value(self, obj: Any, path: str, depth: int) -> None:
@@ -235,7 +234,6 @@ class _Encoder:
         index = len(self.tensors)
         self.tensor_index[key] = index
         self.tensors.append(t)
-        self.tensor_paths.append(where)
         return index
 
 
@@ -464,10 +462,7 @@ def write_state(state: Any, file: str | os.PathLike[str] | IO[bytes] | None = No
     """
     encoded = encode_state(state)
     if file is None:
-        out = _native.empty_bytearray(encoded.nbytes)
-        if encoded.nbytes:
-            pack_encoded(encoded, torch.frombuffer(out, dtype=torch.uint8))
-        return out
+        return encoded.source().to_bytearray()
     if isinstance(file, (str, os.PathLike)):
         path = os.fspath(file)
         tmp = f"{path}.tmp-{os.getpid()}"
