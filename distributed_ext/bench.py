@@ -84,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--world must be at least 1, got {args.world}")
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
+    if not args.no_baseline:
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            ap.error("the torch baseline (dist.gather_object) needs numpy: pip install "
+                     "'distributed_ext[bench]' (or numpy), or pass --no-baseline")
     if args.plot:
         try:
             import matplotlib  # noqa: F401

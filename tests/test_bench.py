@@ -139,3 +139,12 @@ def test_under_torchrun_on_cpu(tmp_path):
     assert "torchrun, 2 ranks, gloo" in proc.stdout
     rows = json.loads(out.read_text())
     assert len(rows) == 4 and all(r["world"] == 2 for r in rows)
+
+
+def test_baseline_without_numpy_is_refused_up_front(monkeypatch, capsys):
+    # torch's gather_object converts through numpy; without it the run would die mid-way.
+    monkeypatch.setitem(sys.modules, "numpy", None)
+    with pytest.raises(SystemExit):
+        bench.parse_args([])
+    assert "needs numpy" in capsys.readouterr().err
+    assert bench.parse_args(["--no-baseline"]).no_baseline is True
