@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -169,6 +170,31 @@ def run_ranks(
                 res.traceback = data.get("traceback", "")
             results.append(res)
         return results
+
+
+def run_command(args: list[str], timeout: float, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess:
+    """Runs a command that starts its own ranks (torchrun, a local spawner) in a new session.
+
+    On timeout the whole process group is SIGKILLed, so no rank it started outlives the test,
+    and the test fails with the output so far.
+    """
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{args} ran past {timeout} s; killed its process group\n"
+                             f"{err[-3000:]}") from None
+    finally:
+        # Stragglers of a finished launcher (same group) are killed too.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from harness import free_port
+from harness import free_port, run_command
 
 from distributed_ext import bench
 
@@ -79,7 +79,7 @@ def test_make_state_is_llm_shaped_and_sized():
 def test_short_real_run_world_2(tmp_path, capsys):
     out = tmp_path / "figures.json"
     code = bench.main(["--world", "2", "--size", "2MiB", "--repeat", "1", "--quiet",
-                       "--json", str(out)])
+                       "--json", str(out), "--timeout", "120"])  # ranks stopped after 120 s
     assert code == 0
     rows = json.loads(out.read_text())
     assert [(r["workload"], r["method"]) for r in rows] == [
@@ -128,12 +128,12 @@ def test_ctrl_c_stops_every_local_rank():
 def test_under_torchrun_on_cpu(tmp_path):
     # A launch: the command joins it (gloo on a CPU-only node) instead of spawning ranks.
     out = tmp_path / "figures.json"
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()),
          "-m", "distributed_ext.bench", "--size", "1MiB", "--repeat", "1", "--quiet",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+        timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torchrun, 2 ranks, gloo" in proc.stdout

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from harness import free_port
+from harness import free_port, run_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "export_shards.py")
@@ -27,8 +26,7 @@ def _example_module():
 
 def test_export_shards_world_2(tmp_path):
     out = tmp_path / "shards"
-    proc = subprocess.run([sys.executable, EXAMPLE, "--world", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_command([sys.executable, EXAMPLE, "--world", "2", "--out", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     example = _example_module()
     full = example.build_model().state_dict()
@@ -44,11 +42,10 @@ def test_export_shards_world_2(tmp_path):
 
 def test_export_shards_under_torchrun(tmp_path):
     out = tmp_path / "shards"
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), EXAMPLE, "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+        timeout=300, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     example = _example_module()
