@@ -148,3 +148,16 @@ def test_baseline_without_numpy_is_refused_up_front(monkeypatch, capsys):
         bench.parse_args([])
     assert "needs numpy" in capsys.readouterr().err
     assert bench.parse_args(["--no-baseline"]).no_baseline is True
+
+
+def test_progress_bar_draws_and_finishes(capsys):
+    bar = bench.ProgressBar("bytes (distributed_ext) 1/3", enabled=True)
+    bar(2**29, 2**30)
+    bar(2**30, 2**30)
+    err = capsys.readouterr().err
+    assert "[" + "#" * 15 + " " * 15 + "]" in err  # half way
+    assert "0.50/1.00 GiB" in err and "1.00/1.00 GiB" in err
+    assert "#" * 30 in err and err.endswith("\n")
+    quiet = bench.ProgressBar("x", enabled=False)
+    quiet(1, 2)
+    assert capsys.readouterr().err == ""

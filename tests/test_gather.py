@@ -311,3 +311,23 @@ def test_dead_peer_makes_gather_raise_not_hang():
     assert res[1].exit_code == 9
     for r in (0, 2):
         assert not res[r].timed_out and res[r].value[0] == "raised", res[r]
+
+
+def _progress_reports():
+    from distributed_ext.gather import report_progress
+
+    seen = []
+    with report_progress(lambda done, total: seen.append((done, total))):
+        dx.gather_bytes(b"p" * (5000 + dist.get_rank()), 0, chunk_bytes=1000)
+    return seen
+
+
+def test_progress_is_reported_on_dst_only():
+    values = assert_all_ok(run_ranks(_progress_reports, 3))
+    total = 5000 + 5001 + 5002
+    dst = values[0]
+    assert dst and dst[-1] == (total, total)
+    assert all(t == total for _d, t in dst)
+    assert [d for d, _t in dst] == sorted(d for d, _t in dst)  # never goes backwards
+    assert len(dst) >= 10  # chunk by chunk, not once at the end
+    assert values[1] == [] and values[2] == []
