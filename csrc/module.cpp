@@ -5,6 +5,7 @@
 
 #include "device_copy.h"
 #include "device_pack.h"
+#include "heartbeat.h"
 #include "segments.h"
 
 #ifndef DEXT_TORCH_VERSION
@@ -80,6 +81,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Copy nbytes between raw host pointers; GIL released.");
   m.def("empty_bytearray", &empty_bytearray, pybind11::arg("nbytes"),
         "A bytearray of nbytes, contents uninitialized (the caller fills every byte).");
+  m.def("start_heartbeat", &distributed_ext::start_heartbeat, pybind11::arg("store"),
+        pybind11::arg("key"), pybind11::arg("interval_ms"),
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "Beat (store.add(key, 1)) every interval_ms from a native thread; weak store ref.");
+  m.def("stop_heartbeat", &distributed_ext::stop_heartbeat,
+        pybind11::call_guard<pybind11::gil_scoped_release>(), "Stop the heartbeat thread.");
+  m.def("heartbeat_count", &distributed_ext::heartbeat_count, "Beats sent so far.");
   m.def("built_with_cuda", &distributed_ext::built_with_cuda);
   m.def("copy_async", &distributed_ext::copy_async, pybind11::arg("dst_ptr"),
         pybind11::arg("src_ptr"), pybind11::arg("nbytes"), pybind11::arg("stream"),

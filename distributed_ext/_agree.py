@@ -2,37 +2,68 @@
 
 A stage that can fail on one rank first runs locally, then every rank joins one small
 collective (an all-gather, or a broadcast from the only rank that runs the stage) of a
-fixed-size status record: ok / error / exit, the error's type and message, a label, and a few
-integers (sizes). Only if every rank is ok does data move. A failure therefore travels as data
+fixed-size status record: ok / error / exit, the error's type and message, a label (its digest,
+which is compared, and a clipped copy, which is shown), and a few integers (sizes). Only if
+every rank is ok does data move. A failure therefore travels as data
 and every rank raises, the failing rank its own error and the others a RuntimeError naming the
 first cause (torch ``collective_utils`` style); no rank waits in a collective its peers skipped,
 and the group stays usable afterwards.
 
 The record is plain bytes (struct-packed), never pickle, so the same machinery serves the
-transports that promise never to unpickle (gather_bytes).
+transports that promise never to unpickle (gather_bytes). Every wait here goes through
+:mod:`distributed_ext._watch`, so a dead peer is named instead of waited for.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from distributed_ext import _watch
+
 OK, ERROR, EXIT = 0, 1, 2
 RECORD_BYTES = 2048
 N_FIELDS = 8
 _MAGIC = b"DXS1"
-_HEADER = struct.Struct(f"<4sBq{N_FIELDS}qHHH")
+_DIGEST_BYTES = 16
+_HEADER = struct.Struct(f"<4sBq{N_FIELDS}q{_DIGEST_BYTES}sHHH")
 _MAX_LABEL, _MAX_TYPE, _MAX_MESSAGE = 256, 128, 1024
 
 
 def _clip(text: str, limit: int) -> bytes:
-    raw = text.encode("utf-8", "replace")
+    """``text`` as UTF-8 of at most ``limit`` bytes, for display (lone surrogates escaped)."""
+    raw = text.encode("utf-8", "backslashreplace")
     if len(raw) <= limit:
         return raw
     return raw[: limit - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
+
+
+def label_digest(label: str) -> bytes:
+    """What ranks compare for a label: a digest of all of it, whatever its length or characters."""
+    return hashlib.blake2b(label.encode("utf-8", "surrogatepass"), digest_size=_DIGEST_BYTES).digest()
+
+
+def _safe_text(obj: object, how: Callable[[object], str]) -> str | None:
+    try:
+        text = how(obj)
+    except BaseException:  # noqa: BLE001 - an exception whose __str__ raises still travels
+        return None
+    return text if isinstance(text, str) else None
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``str(exc)``, or ``repr(exc)``, or a placeholder if both raise (never raises)."""
+    text = _safe_text(exc, str)
+    if text is None:
+        text = _safe_text(exc, repr)
+    if text is None:
+        text = f"<{type(exc).__name__} whose str() and repr() raise>"
+    return text
 
 
 @dataclass
@@ -46,6 +77,11 @@ class Status:
     error_type: str = ""
     message: str = ""
     exc: BaseException | None = field(default=None, repr=False, compare=False)
+    digest: bytes = b""  # of the label; computed from it when not given (a decoded record's)
+
+    def __post_init__(self) -> None:
+        if not self.digest:
+            self.digest = label_digest(self.label)
 
     @property
     def ok(self) -> bool:
@@ -53,7 +89,11 @@ class Status:
 
     @classmethod
     def failed(cls, exc: BaseException, label: str = "") -> Status:
-        """The status of a stage that raised ``exc`` (SystemExit becomes an exit record)."""
+        """The status of a stage that raised ``exc`` (SystemExit becomes an exit record).
+
+        Any BaseException is carried (KeyboardInterrupt, CancelledError, GeneratorExit), and
+        one whose ``__str__`` raises is described without calling it again.
+        """
         if isinstance(exc, SystemExit):
             code = exc.code
             if code is None:
@@ -61,11 +101,11 @@ class Status:
             elif isinstance(code, int) and -(2**63) <= code < 2**63:
                 number, message = code, ""
             else:  # sys.exit("message") exits with 1 and prints the message
-                number, message = 1, str(code)
+                number, message = 1, _safe_text(code, str) or "<unprintable exit code>"
             return cls(EXIT, number, label=label, error_type="SystemExit", message=message,
                        exc=exc)
-        return cls(ERROR, 0, label=label, error_type=type(exc).__name__, message=str(exc),
-                   exc=exc)
+        return cls(ERROR, 0, label=label, error_type=type(exc).__name__,
+                   message=describe_exception(exc), exc=exc)
 
     def describe(self) -> str:
         if self.kind == EXIT:
@@ -77,8 +117,8 @@ class Status:
         label = _clip(self.label, _MAX_LABEL)
         etype = _clip(self.error_type, _MAX_TYPE)
         message = _clip(self.message, _MAX_MESSAGE)
-        head = _HEADER.pack(_MAGIC, self.kind, self.code, *fields, len(label), len(etype),
-                            len(message))
+        head = _HEADER.pack(_MAGIC, self.kind, self.code, *fields, self.digest, len(label),
+                            len(etype), len(message))
         record = bytearray(RECORD_BYTES)
         blob = head + label + etype + message
         record[: len(blob)] = blob
@@ -90,7 +130,8 @@ class Status:
             raise ValueError("status record from a peer is malformed (wrong size or magic); "
                              "are all ranks running the same distributed_ext?")
         magic, kind, code, *rest = _HEADER.unpack_from(record)
-        fields, (n_label, n_type, n_msg) = tuple(rest[:N_FIELDS]), rest[N_FIELDS:]
+        fields, digest = tuple(rest[:N_FIELDS]), rest[N_FIELDS]
+        n_label, n_type, n_msg = rest[N_FIELDS + 1 :]
         if kind not in (OK, ERROR, EXIT) or _HEADER.size + n_label + n_type + n_msg > RECORD_BYTES:
             raise ValueError("status record from a peer is malformed (kind or lengths)")
         pos = _HEADER.size
@@ -99,7 +140,11 @@ class Status:
         etype = record[pos : pos + n_type].decode("utf-8", "replace")
         pos += n_type
         message = record[pos : pos + n_msg].decode("utf-8", "replace")
-        return cls(kind, code, fields, label, etype, message)
+        return cls(kind, code, fields, label, etype, message, digest=digest)
+
+    def same_label(self, other: Status) -> bool:
+        """Whether two records carry the same label (compared by digest, never clipped)."""
+        return self.digest == other.digest
 
 
 @dataclass
@@ -151,24 +196,28 @@ def resolve_group(group: dist.ProcessGroup | None, what: str) -> GroupContext:
         ranks = list(range(dist.get_world_size()))
     else:
         ranks = list(dist.get_process_group_ranks(group))
+    _watch.ensure_heartbeat()
     return GroupContext(group, me, ranks, resolve_collective_device(group))
 
 
-def exchange(status: Status, ctx: GroupContext) -> list[Status]:
+def exchange(status: Status, ctx: GroupContext, what: str = "distributed_ext") -> list[Status]:
     """All-gathers every rank's status record; returns them in group rank order."""
     mine = status.encode().to(ctx.device)
     out = [torch.empty_like(mine) for _ in range(ctx.size)]
-    dist.all_gather(out, mine, group=ctx.group)
+    work = dist.all_gather(out, mine, group=ctx.group, async_op=True)
+    _watch.wait_work(work, ctx.ranks, f"{what} (status round)", ctx.device)
     return [Status.decode(bytes(tensor_bytes(t))) for t in out]
 
 
-def broadcast_status(status: Status | None, src: int, ctx: GroupContext) -> Status:
+def broadcast_status(status: Status | None, src: int, ctx: GroupContext,
+                     what: str = "distributed_ext") -> Status:
     """Broadcasts the status record of global rank ``src`` (pass it there, None elsewhere)."""
     if status is not None:
         record = status.encode().to(ctx.device)
     else:
         record = torch.empty(RECORD_BYTES, dtype=torch.uint8, device=ctx.device)
-    dist.broadcast(record, src=src, group=ctx.group)
+    work = dist.broadcast(record, src=src, group=ctx.group, async_op=True)
+    _watch.wait_work(work, ctx.ranks, f"{what} (status round)", ctx.device)
     return Status.decode(bytes(tensor_bytes(record)))
 
 
@@ -208,7 +257,8 @@ def raise_first_failure(what: str, statuses: list[Status], ctx: GroupContext,
     raise SystemExit(first.code)
 
 
-def allgather_payloads(payload: bytes, sizes: list[int], ctx: GroupContext) -> list[bytes]:
+def allgather_payloads(payload: bytes, sizes: list[int], ctx: GroupContext,
+                       what: str = "distributed_ext") -> list[bytes]:
     """All-gathers each rank's ``payload`` (``sizes`` agreed beforehand), padded to the largest."""
     longest = max(sizes) if sizes else 0
     if longest == 0:
@@ -217,11 +267,13 @@ def allgather_payloads(payload: bytes, sizes: list[int], ctx: GroupContext) -> l
     buf[: len(payload)] = payload
     mine = torch.frombuffer(buf, dtype=torch.uint8).to(ctx.device)
     out = [torch.empty_like(mine) for _ in sizes]
-    dist.all_gather(out, mine, group=ctx.group)
+    work = dist.all_gather(out, mine, group=ctx.group, async_op=True)
+    _watch.wait_work(work, ctx.ranks, f"{what} (data round)", ctx.device)
     return [bytes(tensor_bytes(t)[:n]) for t, n in zip(out, sizes)]
 
 
-def broadcast_payload(payload: bytes | None, nbytes: int, src: int, ctx: GroupContext) -> bytes:
+def broadcast_payload(payload: bytes | None, nbytes: int, src: int, ctx: GroupContext,
+                      what: str = "distributed_ext") -> bytes:
     """Broadcasts ``nbytes`` of ``payload`` from global rank ``src`` (None elsewhere)."""
     if nbytes == 0:
         return b""
@@ -229,5 +281,6 @@ def broadcast_payload(payload: bytes | None, nbytes: int, src: int, ctx: GroupCo
         t = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(ctx.device)
     else:
         t = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
-    dist.broadcast(t, src=src, group=ctx.group)
+    work = dist.broadcast(t, src=src, group=ctx.group, async_op=True)
+    _watch.wait_work(work, ctx.ranks, f"{what} (data round)", ctx.device)
     return bytes(tensor_bytes(t))

@@ -147,3 +147,23 @@ def device_pack_pieces(table: torch.Tensor, stream: int) -> None:
     if not table.is_contiguous() or table.device.type != "cuda":
         raise ValueError("device_pack_pieces: table must be a contiguous CUDA tensor")
     _C.device_pack_pieces(table.data_ptr(), table.size(0), stream)
+
+
+def start_heartbeat(store: Any, key: str, interval_ms: int) -> None:
+    """Beats ``store.add(key, 1)`` every ``interval_ms`` from a native thread (no GIL).
+
+    ``store`` is a ``torch.distributed.Store``. Lifetime: the thread holds a weak reference
+    only, and ends by itself once the store is destroyed (its process group destroyed). The
+    same store and key again is a no-op; another store replaces the running beat.
+    """
+    _C.start_heartbeat(store, key, interval_ms)
+
+
+def stop_heartbeat() -> None:
+    """Stops the heartbeat thread, waiting at most for the store call it is in."""
+    _C.stop_heartbeat()
+
+
+def heartbeat_count() -> int:
+    """Beats the current heartbeat has sent (0 when none runs)."""
+    return int(_C.heartbeat_count())

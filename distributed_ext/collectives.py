@@ -16,9 +16,10 @@ import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
-from distributed_ext import _agree, runtime
+from distributed_ext import _agree, _watch, runtime
 
 __all__ = ["all_reduce", "allgather", "allreduce", "broadcast", "broadcast_from", "master_only"]
 
@@ -32,6 +33,12 @@ def _check_label(label: object, what: str) -> None:
                         f"{type(label).__name__}")
 
 
+def _show(label: str) -> str:
+    """A label for messages: clipped to 80 characters, lone surrogates escaped."""
+    text = label if len(label) <= 80 else label[:77] + "..."
+    return repr(text.encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
 def _require_group_if_launched(what: str) -> None:
     if runtime.is_distributed_launch():
         raise RuntimeError(
@@ -42,14 +49,18 @@ def _require_group_if_launched(what: str) -> None:
 
 
 def _run_and_pickle(fn: Callable[[], _V], label: str) -> tuple[_agree.Status, _V | None, bytes]:
-    """Runs ``fn`` and pickles its value; a failure of either becomes the status."""
+    """Runs ``fn`` and pickles its value; a failure of either becomes the status.
+
+    Every BaseException is caught: a KeyboardInterrupt, CancelledError or GeneratorExit that
+    left this rank alone would leave its peers waiting in a round it never joins.
+    """
     try:
         value = fn()
-    except (Exception, SystemExit) as exc:
+    except BaseException as exc:  # noqa: BLE001 - carried to every rank, re-raised here
         return _agree.Status.failed(exc, label), None, b""
     try:
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001
         err = TypeError(
             f"the value returned by fn ({type(value).__name__}) does not pickle, and the "
             f"ranks exchange values pickled: {type(exc).__name__}: {exc}; return plain data "
@@ -99,19 +110,22 @@ def all_reduce(
         _require_group_if_launched("all_reduce")
         return combine([fn()])
     ctx = _agree.resolve_group(group, "all_reduce")
-    own, _, payload = _run_and_pickle(fn, label)
-    statuses = _agree.exchange(own, ctx)
-    labels = [s.label for s in statuses]
-    if any(lab != label for lab in labels):
-        other = next(i for i, lab in enumerate(labels) if lab != label)
-        raise RuntimeError(
-            f"all_reduce: ranks reduce different labels at the same point: rank "
-            f"{ctx.global_rank} {label!r}, rank {ctx.ranks[other]} {labels[other]!r}; every "
-            "rank must call all_reduce with the same label in the same order"
-        )
-    _agree.raise_first_failure(f"all_reduce({label!r})", statuses, ctx, own)
-    blobs = _agree.allgather_payloads(payload, [s.fields[0] for s in statuses], ctx)
-    return combine([pickle.loads(b) for b in blobs])
+    what = f"all_reduce({_show(label)})"
+    with _watch.DeferredInterrupts():
+        own, _, payload = _run_and_pickle(fn, label)
+        statuses = _agree.exchange(own, ctx, what)
+        other = next((i for i, s in enumerate(statuses) if not s.same_label(own)), None)
+        if other is not None:
+            raise RuntimeError(
+                f"all_reduce: ranks reduce different labels at the same point: rank "
+                f"{ctx.global_rank} {_show(label)}, rank {ctx.ranks[other]} "
+                f"{_show(statuses[other].label)}; every rank must call all_reduce with the "
+                "same label in the same order"
+            )
+        _agree.raise_first_failure(what, statuses, ctx, own)
+        blobs = _agree.allgather_payloads(payload, [s.fields[0] for s in statuses], ctx, what)
+        values = [pickle.loads(b) for b in blobs]
+    return combine(values)
 
 
 def broadcast_from(
@@ -155,30 +169,33 @@ def broadcast_from(
             f"broadcast_from: rank={rank!r} is not a member of the group (global ranks "
             f"{ctx.ranks}); pass the global rank of one of them"
         )
-    if ctx.global_rank == rank:
-        own, value, payload = _run_and_pickle(fn, label)
-        status = _agree.broadcast_status(own, rank, ctx)
-        if not own.ok:
-            assert own.exc is not None
-            raise own.exc
-        _agree.broadcast_payload(payload, status.fields[0], rank, ctx)
-        return value  # type: ignore[return-value]
-    status = _agree.broadcast_status(None, rank, ctx)
-    if status.kind == _agree.EXIT:
-        raise SystemExit(status.code)
-    if status.kind == _agree.ERROR:
-        raise RuntimeError(
-            f"broadcast_from({status.label!r}): rank {rank} failed with {status.describe()}; "
-            "every rank raises so that none waits in a broadcast that rank never sends"
-        )
-    blob = _agree.broadcast_payload(None, status.fields[0], rank, ctx)
-    if status.label != label:
-        raise RuntimeError(
-            f"broadcast_from: rank {ctx.global_rank} broadcasts label {label!r} but rank {rank} "
-            f"broadcasts {status.label!r} at the same point; every rank must call "
-            "broadcast_from with the same label in the same order"
-        )
-    return pickle.loads(blob)
+    what = f"broadcast_from({_show(label)})"
+    with _watch.DeferredInterrupts():
+        if ctx.global_rank == rank:
+            own, value, payload = _run_and_pickle(fn, label)
+            status = _agree.broadcast_status(own, rank, ctx, what)
+            if not own.ok:
+                assert own.exc is not None
+                raise own.exc
+            _agree.broadcast_payload(payload, status.fields[0], rank, ctx, what)
+            return value  # type: ignore[return-value]
+        status = _agree.broadcast_status(None, rank, ctx, what)
+        if status.kind == _agree.EXIT:
+            raise SystemExit(status.code)
+        if status.kind == _agree.ERROR:
+            raise RuntimeError(
+                f"broadcast_from({_show(status.label)}): rank {rank} failed with "
+                f"{status.describe()}; every rank raises so that none waits in a broadcast that "
+                "rank never sends"
+            )
+        blob = _agree.broadcast_payload(None, status.fields[0], rank, ctx, what)
+        if not status.same_label(_agree.Status(label=label)):
+            raise RuntimeError(
+                f"broadcast_from: rank {ctx.global_rank} broadcasts label {_show(label)} but rank "
+                f"{rank} broadcasts {_show(status.label)} at the same point; every rank must call "
+                "broadcast_from with the same label in the same order"
+            )
+        return pickle.loads(blob)
 
 
 def allgather(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -192,17 +209,42 @@ def allgather(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     return all_reduce("distributed_ext.allgather", lambda: obj, list, group=group)
 
 
+def _pairwise(tensor_op: Callable[[Any, Any], Any], scalar_op: Callable[[Any, Any], Any]
+              ) -> Callable[[list[Any]], Any]:
+    """Reduces a list left to right: element-wise for tensors, ``scalar_op`` otherwise."""
+
+    def step(a: Any, b: Any) -> Any:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return tensor_op(torch.as_tensor(a), torch.as_tensor(b))
+        return scalar_op(a, b)
+
+    return lambda values: functools.reduce(step, values)
+
+
 _REDUCTIONS: dict[str, Callable[[list[Any]], Any]] = {
-    "sum": lambda values: functools.reduce(lambda a, b: a + b, values),
-    "min": min,
-    "max": max,
+    "sum": _pairwise(torch.add, lambda a, b: a + b),
+    "min": _pairwise(torch.minimum, lambda a, b: min(a, b)),
+    "max": _pairwise(torch.maximum, lambda a, b: max(a, b)),
 }
 
 
 def allreduce(obj: Any, reduction: str = "sum", group: dist.ProcessGroup | None = None) -> Any:
-    """Reduces ``obj`` over the ranks of ``group`` (``"sum"``, ``"min"`` or ``"max"``), on every rank."""
+    """Reduces ``obj`` over the ranks of ``group``, on every rank.
+
+    ``"sum"`` adds (``+``); ``"min"`` and ``"max"`` take the smaller or larger value, and
+    tensors reduce element-wise (``torch.minimum``/``torch.maximum``, broadcasting), so an
+    amax tensor of many channels syncs channel by channel. Values travel pickled (trusted,
+    ranks of one job). ``obj`` itself in a single process.
+
+    Raises:
+        ValueError: ``reduction`` is not ``"sum"``, ``"min"`` or ``"max"`` (on every rank,
+            before any traffic).
+    """
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"allreduce: reduction={reduction!r} is not one of {sorted(_REDUCTIONS)}")
+        raise ValueError(
+            f"allreduce: reduction={reduction!r} is not supported; pass one of "
+            f"{sorted(_REDUCTIONS)} (or use all_reduce() with your own combine)"
+        )
     return _REDUCTIONS[reduction](allgather(obj, group=group))
 
 

@@ -328,3 +328,141 @@ def test_dead_peer_makes_others_raise_within_timeout(which):
     for r in (0, 2):
         assert not res[r].timed_out, "a live rank hung waiting for a dead peer"
         assert res[r].value[0] == "raised", res[r]
+
+
+# -- labels of any length and characters (issue 10, item 1) ---------------------------------
+
+_LONG = "calibrate/" + "x" * 400  # over the 256 UTF-8 bytes a status record shows
+_SURROGATE = "amax-\udc80-sync"  # a lone surrogate: not encodable as strict UTF-8
+
+
+def _labels(label, other):
+    r = dist.get_rank()
+    mine = other if (other is not None and r == 1) else label
+    red = _catching(lambda: dx.all_reduce(mine, lambda: r, sum))
+    bc = _catching(lambda: dx.broadcast_from(mine, lambda: "v", rank=0))
+    return _then_still_usable((red, bc))
+
+
+@pytest.mark.parametrize("label", [_LONG, _SURROGATE, "é" * 200], ids=["long", "surrogate", "utf8"])
+def test_any_label_works(label):
+    values = assert_all_ok(run_ranks(_labels, 2, label, None))
+    for (red, bc), after, _t in values:
+        assert red == ("ok", 1) and bc == ("ok", "v")
+        assert after == 1
+
+
+def test_labels_differing_after_256_bytes_fail_everywhere_with_a_clipped_label():
+    # Two labels equal in their first 400 characters: compared whole, shown clipped.
+    values = assert_all_ok(run_ranks(_labels, 2, _LONG + "-a", _LONG + "-b"))
+    for r, ((red, bc), after, _t) in enumerate(values):
+        assert red[:2] == ("raised", "RuntimeError") and "different labels" in red[2]
+        assert "rank 0" in red[2] and "rank 1" in red[2] and len(red[2]) < 600
+        if r == 0:  # broadcast_from: rank sees no other label and returns
+            assert bc == ("ok", "v")
+        else:
+            assert bc[:2] == ("raised", "RuntimeError") and "broadcasts label" in bc[2]
+        assert after == 1
+
+
+# -- every way fn can fail is agreed (issue 10, item 2) --------------------------------------
+
+
+class _BadStr(Exception):
+    def __str__(self):
+        raise RuntimeError("str of this exception raises")
+
+    def __repr__(self):
+        raise RuntimeError("repr too")
+
+
+class _Unpicklable(Exception):
+    def __init__(self):
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+    def __reduce__(self):
+        raise TypeError("cannot pickle this exception")
+
+
+def _raise_kind(kind):
+    import asyncio
+
+    if kind == "KeyboardInterrupt":
+        raise KeyboardInterrupt
+    if kind == "CancelledError":
+        raise asyncio.CancelledError("task cancelled")
+    if kind == "GeneratorExit":
+        raise GeneratorExit
+    if kind == "BadStr":
+        raise _BadStr
+    raise _Unpicklable
+
+
+def _fn_fails_with(kind, which):
+    import time
+
+    def fn():
+        if dist.get_rank() == 1:
+            _raise_kind(kind)
+        return 7
+
+    t0 = time.monotonic()
+    try:
+        if which == "all_reduce":
+            result = ("ok", dx.all_reduce("odd", fn, sum))
+        else:
+            result = ("ok", dx.broadcast_from("odd", fn, rank=1))
+    except BaseException as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        result = ("raised", type(exc).__name__, dx_describe(exc))
+    return _then_still_usable((result, time.monotonic() - t0))
+
+
+def dx_describe(exc):
+    from distributed_ext._agree import describe_exception
+
+    return describe_exception(exc)
+
+
+@pytest.mark.parametrize("which", ["all_reduce", "broadcast_from"])
+@pytest.mark.parametrize(
+    "kind, type_name",
+    [("KeyboardInterrupt", "KeyboardInterrupt"), ("CancelledError", "CancelledError"),
+     ("GeneratorExit", "GeneratorExit"), ("BadStr", "_BadStr"), ("Unpicklable", "_Unpicklable")],
+)
+def test_every_way_fn_fails_is_agreed(kind, type_name, which):
+    # pg_timeout 60 s: a peer left waiting would time out far past the 5 s asserted below.
+    values = assert_all_ok(run_ranks(_fn_fails_with, 3, kind, which, timeout=60))
+    for r, ((result, seconds), after, t) in enumerate(values):
+        assert seconds < 5, (r, seconds)
+        if r == 1:
+            assert result[:2] == ("raised", type_name), result
+        else:
+            assert result[:2] == ("raised", "RuntimeError"), result
+            assert f"rank 1 failed with {type_name}" in result[2], result
+        assert after == 3 and t == 3  # the group is still usable
+
+
+# -- allreduce min/max on tensors (issue 10, item 13) ----------------------------------------
+
+
+def _allreduce_tensors():
+    r = dist.get_rank()
+    t = torch.tensor([1.0 + r, 5.0 - r, float(r % 2)])
+    out = {red: dx.allreduce(t, red) for red in ("sum", "min", "max")}
+    out["scalar_max"] = dx.allreduce(r, "max")
+    try:
+        dx.allreduce(t, "mean")
+    except ValueError as exc:
+        out["bad"] = str(exc)
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def test_allreduce_min_max_are_element_wise_on_tensors():
+    values = assert_all_ok(run_ranks(_allreduce_tensors, 3))
+    for v in values:
+        assert v["sum"] == [6.0, 12.0, 1.0]
+        assert v["min"] == [1.0, 3.0, 0.0]
+        assert v["max"] == [3.0, 5.0, 1.0]
+        assert v["scalar_max"] == 2
+        assert "reduction='mean'" in v["bad"] and "'max'" in v["bad"]

@@ -1,0 +1,96 @@
+// A GIL-free liveness heartbeat through the process group's own store (see heartbeat.h).
+#include "heartbeat.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+namespace distributed_ext {
+namespace {
+
+struct Beat {
+  explicit Beat(const c10::intrusive_ptr<c10d::Store>& strong) : store(strong) {}
+  c10::weak_intrusive_ptr<c10d::Store> store;
+  c10d::Store* target = nullptr;  // identity only, never dereferenced
+  std::string key;
+  std::chrono::milliseconds interval{1000};
+  std::mutex mutex;
+  std::condition_variable wake;
+  bool stop = false;
+  std::atomic<int64_t> beats{0};
+  std::thread thread;
+};
+
+std::mutex g_mutex;
+// Never destroyed at exit on purpose: a std::thread still joinable in a static destructor
+// terminates the process. Python's atexit stops the beat first (distributed_ext/_watch.py).
+Beat* g_beat = nullptr;
+
+void run(Beat* beat) {
+  std::unique_lock<std::mutex> lock(beat->mutex);
+  while (!beat->stop) {
+    lock.unlock();
+    auto store = beat->store.lock();
+    if (!store) {  // the process group that owned the store is gone: so is our reason to beat
+      lock.lock();
+      break;
+    }
+    try {
+      store->add(beat->key, 1);
+      beat->beats.fetch_add(1);
+    } catch (...) {
+      // A store that cannot be reached now (its host is gone, or shutting down): a peer
+      // reading our counter will see it stall, which is the truth as far as it can tell.
+    }
+    store.reset();
+    lock.lock();
+    beat->wake.wait_for(lock, beat->interval, [beat] { return beat->stop; });
+  }
+}
+
+void stop_locked() {
+  if (!g_beat) return;
+  {
+    std::lock_guard<std::mutex> lock(g_beat->mutex);
+    g_beat->stop = true;
+  }
+  g_beat->wake.notify_all();
+  if (g_beat->thread.joinable()) g_beat->thread.join();
+  delete g_beat;
+  g_beat = nullptr;
+}
+
+}  // namespace
+
+void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
+                     int64_t interval_ms) {
+  TORCH_CHECK_VALUE(store, "start_heartbeat: store is null");
+  TORCH_CHECK_VALUE(interval_ms > 0, "start_heartbeat: interval_ms must be positive, got ",
+                    interval_ms);
+  std::lock_guard<std::mutex> guard(g_mutex);
+  if (g_beat && g_beat->target == store.get() && g_beat->key == key) {
+    std::lock_guard<std::mutex> lock(g_beat->mutex);
+    if (!g_beat->stop && g_beat->store.lock()) return;  // already beating into this store
+  }
+  stop_locked();
+  auto* beat = new Beat(store);
+  beat->target = store.get();
+  beat->key = key;
+  beat->interval = std::chrono::milliseconds(interval_ms);
+  beat->thread = std::thread(run, beat);
+  g_beat = beat;
+}
+
+void stop_heartbeat() {
+  std::lock_guard<std::mutex> guard(g_mutex);
+  stop_locked();
+}
+
+int64_t heartbeat_count() {
+  std::lock_guard<std::mutex> guard(g_mutex);
+  return g_beat ? g_beat->beats.load() : 0;
+}
+
+}  // namespace distributed_ext

@@ -1,0 +1,267 @@
+"""Waiting on collective work without hanging: dead peers are named, interrupts are deferred.
+
+A rank that waits in ``work.wait()`` for a peer that died waits out the process group's
+timeout (30 min by default) on gloo whenever the transport does not notice the death itself
+(a sender whose receiver was killed, say). Here the waiting happens in a worker thread while
+the calling thread watches:
+
+- **Liveness.** Every rank that uses a collective of this package beats a counter in the
+  process group's own store from a native thread (``csrc/heartbeat.cpp``: no GIL, so a busy
+  rank still beats). A wait that lasts longer than ``GRACE_S`` reads its peers' counters every
+  ``CHECK_EVERY_S``; a peer whose counter has not moved for ``DEAD_AFTER_S`` is dead, and the
+  waiting rank raises a RuntimeError naming it, well before any process-group timeout. A peer
+  that has never beaten (it has not reached its first collective yet) is never called dead.
+  Cost: nothing for a wait shorter than the grace; then one store read per peer per check.
+- **Interrupts.** A KeyboardInterrupt (or any exception a signal handler raises) that arrives
+  while the calling thread waits is deferred: the posted work is still waited for, so no peer
+  is left blocked in a transfer and no buffer a transfer writes into is freed. The collective
+  then carries it to every rank as its failure (see :class:`DeferredInterrupts`). A second
+  interrupt during the same wait leaves at once (the escape hatch when something else hangs).
+
+Work still pending when a dead peer is named stays referenced by its (daemon) worker thread,
+so the memory it reads or writes is never freed under it; the group is unusable by then.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distributed_ext import _native
+
+__all__ = [
+    "CHECK_EVERY_S",
+    "DEAD_AFTER_S",
+    "GRACE_S",
+    "DeferredInterrupts",
+    "PeerFailure",
+    "ensure_heartbeat",
+    "run_watched",
+    "wait_work",
+]
+
+HEARTBEAT_INTERVAL_S = 0.5
+GRACE_S = 1.0
+CHECK_EVERY_S = 0.5
+DEAD_AFTER_S = 4.0
+_KEY = "distributed_ext/alive/"
+
+_atexit_registered = False
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group, or a torch without it: no liveness, plain waits
+        return None
+
+
+def ensure_heartbeat() -> None:
+    """Starts this process's heartbeat into the default group's store (idempotent, cheap)."""
+    global _atexit_registered
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    store = _default_store()
+    if store is None:
+        return
+    _native.start_heartbeat(store, _KEY + str(dist.get_rank()), int(HEARTBEAT_INTERVAL_S * 1000))
+    if not _atexit_registered:
+        # Stop the native thread before the interpreter (and torch's statics) go away.
+        atexit.register(_native.stop_heartbeat)
+        _atexit_registered = True
+
+
+class PeerFailure(RuntimeError):
+    """A transfer with global rank ``rank`` failed: the transport lost that peer."""
+
+    def __init__(self, rank: int, cause: BaseException) -> None:
+        super().__init__(f"the transfer with rank {rank} failed: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
+class _Liveness:
+    """Tells dead peers from slow ones by whether their heartbeat counters move."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.store = _default_store()
+        me = dist.get_rank() if dist.is_initialized() else -1
+        self.ranks = [r for r in ranks if r != me]
+        self.seen: dict[int, tuple[bytes, float]] = {}
+
+    def dead(self) -> list[int]:
+        if self.store is None:
+            return []
+        now = time.monotonic()
+        out = []
+        for r in self.ranks:
+            key = _KEY + str(r)
+            try:
+                if not self.store.check([key]):
+                    continue  # never beat: not yet in a collective of ours, not known dead
+                value = self.store.get(key)
+            except Exception:
+                # The store itself is unreachable: its host (rank 0's node, or the launcher)
+                # is gone, and with it any way to tell; the transport's own errors decide.
+                return []
+            last = self.seen.get(r)
+            if last is None or last[0] != value:
+                self.seen[r] = (value, now)
+            elif now - last[1] >= DEAD_AFTER_S:
+                out.append(r)
+        return out
+
+
+class DeferredInterrupts:
+    """Collects interrupts that arrive while a collective waits; delivered when it is done.
+
+    Use as a context manager around a whole collective. Waits inside it (``run_watched``)
+    record a KeyboardInterrupt instead of raising it mid-transfer. A collective with a status
+    round still ahead folds :meth:`take` into that round (every rank then raises); whatever is
+    left is raised on leaving the block, once every rank has finished the collective's rounds.
+    """
+
+    _local = threading.local()
+
+    def __init__(self) -> None:
+        self.pending: BaseException | None = None
+
+    def __enter__(self) -> DeferredInterrupts:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._local.stack.pop()
+        if exc is None and self.pending is not None:
+            pending, self.pending = self.pending, None
+            raise pending
+
+    def take(self) -> BaseException | None:
+        """The deferred interrupt, if any, now owned by the caller (cleared here)."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    @classmethod
+    def current(cls) -> DeferredInterrupts | None:
+        stack = getattr(cls._local, "stack", None)
+        return stack[-1] if stack else None
+
+
+@dataclass
+class _Worker:
+    body: Callable[[_Worker], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    progress: int = 0
+
+    def run(self) -> None:
+        try:
+            self.body(self)
+        except BaseException as exc:  # carried to the waiting thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def run_watched(
+    body: Callable[[Any], None],
+    ranks: list[int],
+    what: str,
+    on_progress: Callable[[int], None] | None = None,
+) -> BaseException | None:
+    """Runs ``body(worker)`` in a worker thread; the calling thread waits, watching ``ranks``.
+
+    ``body`` posts and waits for the work of one step (it is never interrupted, so it always
+    waits for everything it posted) and may set ``worker.progress``. While it runs, the calling
+    thread calls ``on_progress(worker.progress)`` as it changes, and from ``GRACE_S`` on checks
+    the liveness of ``ranks`` (global ranks).
+
+    Returns:
+        The first exception ``on_progress`` raised (it is never called again after one), so
+        that the caller can carry it to every rank; None if none.
+
+    Raises:
+        RuntimeError: a rank of ``ranks`` died (named), the group is unusable.
+        PeerFailure: from ``body``, as raised there; any other exception of ``body`` too.
+        KeyboardInterrupt: a second interrupt during this wait, or one outside any
+            :class:`DeferredInterrupts` block once the work is done.
+    """
+    worker = _Worker(body)
+    thread = threading.Thread(target=worker.run, name=f"distributed_ext {what}", daemon=True)
+    thread.start()
+    deferral = DeferredInterrupts.current()
+    interrupt: BaseException | None = None
+    callback_error: BaseException | None = None
+    reported = -1
+    start = time.monotonic()
+    liveness: _Liveness | None = None
+    next_check = start + GRACE_S
+    poll = 0.05 if on_progress is not None else CHECK_EVERY_S
+    while True:
+        try:
+            finished = worker.done.wait(poll)
+            if on_progress is not None and callback_error is None and worker.progress != reported:
+                reported = worker.progress
+                try:
+                    on_progress(reported)
+                except BaseException as exc:  # noqa: BLE001 - carried, never escapes mid-transfer
+                    callback_error = exc
+            if finished:
+                break
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + CHECK_EVERY_S
+                if liveness is None:
+                    liveness = _Liveness(ranks)
+                dead = liveness.dead()
+                if dead:
+                    raise RuntimeError(
+                        f"{what}: rank {dead[0]} died (its heartbeat stopped "
+                        f"{DEAD_AFTER_S:.0f} s ago while this rank waited for it)"
+                        + (f"; ranks {dead} are all silent" if len(dead) > 1 else "")
+                        + "; the process group can no longer be used -- the job must stop"
+                    )
+        except (KeyboardInterrupt, SystemExit) as exc:
+            if interrupt is not None:
+                raise  # a second interrupt: leave now, the work stays with its thread
+            interrupt = exc
+            sys.stderr.write(
+                f"distributed_ext: {type(exc).__name__} during {what}; finishing the posted "
+                "transfers first so that no peer is left waiting (interrupt again to leave "
+                "now)\n"
+            )
+    if worker.error is not None:
+        if interrupt is not None and deferral is not None and deferral.pending is None:
+            deferral.pending = interrupt
+        raise worker.error
+    if interrupt is not None:
+        if deferral is None:
+            raise interrupt
+        if deferral.pending is None:
+            deferral.pending = interrupt
+    return callback_error
+
+
+def wait_work(work: Any, ranks: list[int], what: str, device: torch.device | None = None) -> None:
+    """Waits for one collective ``work`` object (``async_op=True``), watching ``ranks``.
+
+    On a CUDA device the wait also synchronizes, so that the result can be read on the host.
+    """
+
+    def body(_worker: Any) -> None:
+        work.wait()
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+    run_watched(body, ranks, what)
