@@ -25,6 +25,7 @@ so the memory it reads or writes is never freed under it; the group is unusable 
 from __future__ import annotations
 
 import atexit
+import queue
 import sys
 import threading
 import time
@@ -158,12 +159,18 @@ class DeferredInterrupts:
         return stack[-1] if stack else None
 
 
+_DONE = object()
+
+
 @dataclass
 class _Worker:
     body: Callable[[_Worker], None]
-    done: threading.Event = field(default_factory=threading.Event)
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     error: BaseException | None = None
-    progress: int = 0
+
+    def report(self, progress: int) -> None:
+        """Called by ``body``: hands a progress value to the waiting thread (in order)."""
+        self.events.put(progress)
 
     def run(self) -> None:
         try:
@@ -171,7 +178,7 @@ class _Worker:
         except BaseException as exc:  # carried to the waiting thread
             self.error = exc
         finally:
-            self.done.set()
+            self.events.put(_DONE)
 
 
 def run_watched(
@@ -183,9 +190,9 @@ def run_watched(
     """Runs ``body(worker)`` in a worker thread; the calling thread waits, watching ``ranks``.
 
     ``body`` posts and waits for the work of one step (it is never interrupted, so it always
-    waits for everything it posted) and may set ``worker.progress``. While it runs, the calling
-    thread calls ``on_progress(worker.progress)`` as it changes, and from ``GRACE_S`` on checks
-    the liveness of ``ranks`` (global ranks).
+    waits for everything it posted) and may call ``worker.report(progress)``. While it runs,
+    the calling thread calls ``on_progress(progress)`` for each report, in order, and from
+    ``GRACE_S`` on checks the liveness of ``ranks`` (global ranks).
 
     Returns:
         The first exception ``on_progress`` raised (it is never called again after one), so
@@ -203,20 +210,28 @@ def run_watched(
     deferral = DeferredInterrupts.current()
     interrupt: BaseException | None = None
     callback_error: BaseException | None = None
-    reported = -1
     start = time.monotonic()
     liveness: _Liveness | None = None
     next_check = start + GRACE_S
-    poll = 0.05 if on_progress is not None else CHECK_EVERY_S
-    while True:
+    finished = False
+    while not finished:
         try:
-            finished = worker.done.wait(poll)
-            if on_progress is not None and callback_error is None and worker.progress != reported:
-                reported = worker.progress
+            try:
+                event = worker.events.get(timeout=CHECK_EVERY_S)
+            except queue.Empty:
+                event = None
+            while event is not None:
+                if event is _DONE:
+                    finished = True
+                elif on_progress is not None and callback_error is None:
+                    try:
+                        on_progress(event)
+                    except BaseException as exc:  # noqa: BLE001 - carried, never escapes mid-transfer
+                        callback_error = exc
                 try:
-                    on_progress(reported)
-                except BaseException as exc:  # noqa: BLE001 - carried, never escapes mid-transfer
-                    callback_error = exc
+                    event = worker.events.get_nowait()
+                except queue.Empty:
+                    event = None
             if finished:
                 break
             now = time.monotonic()
@@ -226,12 +241,7 @@ def run_watched(
                     liveness = _Liveness(ranks)
                 dead = liveness.dead()
                 if dead:
-                    raise RuntimeError(
-                        f"{what}: rank {dead[0]} died (its heartbeat stopped "
-                        f"{DEAD_AFTER_S:.0f} s ago while this rank waited for it)"
-                        + (f"; ranks {dead} are all silent" if len(dead) > 1 else "")
-                        + "; the process group can no longer be used -- the job must stop"
-                    )
+                    raise RuntimeError(_dead_message(what, dead, " while this rank waited for it"))
         except (KeyboardInterrupt, SystemExit) as exc:
             if interrupt is not None:
                 raise  # a second interrupt: leave now, the work stays with its thread
@@ -244,6 +254,13 @@ def run_watched(
     if worker.error is not None:
         if interrupt is not None and deferral is not None and deferral.pending is None:
             deferral.pending = interrupt
+        if isinstance(worker.error, PeerFailure):
+            raise worker.error
+        # A transport error names an address at best; find the rank whose death caused it.
+        dead = _attribute(liveness or _Liveness(ranks))
+        if dead:
+            raise RuntimeError(_dead_message(what, dead, "") + f" (the transport said: "
+                               f"{worker.error})") from worker.error
         raise worker.error
     if interrupt is not None:
         if deferral is None:
@@ -251,6 +268,24 @@ def run_watched(
         if deferral.pending is None:
             deferral.pending = interrupt
     return callback_error
+
+
+def _dead_message(what: str, dead: list[int], when: str) -> str:
+    return (
+        f"{what}: rank {dead[0]} died (its heartbeat stopped {DEAD_AFTER_S:.0f} s ago{when})"
+        + (f"; ranks {dead} are all silent" if len(dead) > 1 else "")
+        + "; the process group can no longer be used -- the job must stop"
+    )
+
+
+def _attribute(liveness: _Liveness) -> list[int]:
+    """The peers found dead within one staleness window (empty: nobody is known dead)."""
+    deadline = time.monotonic() + DEAD_AFTER_S + 2 * CHECK_EVERY_S
+    while True:
+        dead = liveness.dead()
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(CHECK_EVERY_S)
 
 
 def wait_work(work: Any, ranks: list[int], what: str, device: torch.device | None = None) -> None:

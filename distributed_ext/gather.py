@@ -10,7 +10,12 @@ The protocol, on every rank of the group:
    rank.
 3. Data: only real bytes move, no padding and no traffic for a rank with nothing left.
    gloo: point-to-point sends of ``chunk_bytes`` views of the sender's own buffer straight
-   into views of ``dst``'s output bytearrays. NCCL: see :mod:`distributed_ext._device_pipeline`.
+   into views of ``dst``'s output bytearrays, posted and waited for by a worker thread while
+   the caller watches its peers (:mod:`distributed_ext._watch`): a peer that dies is named
+   within seconds on every survivor. NCCL: see :mod:`distributed_ext._device_pipeline`.
+4. Final round (all-gather again): a failure during the data phase -- a progress callback
+   that raised on dst, an interrupt that arrived mid-transfer and waited for it to finish --
+   makes every rank raise, so no rank returns while another fails.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distributed_ext import _agree, _native, runtime
+from distributed_ext import _agree, _native, _watch, runtime
 from distributed_ext._source import ByteSource
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "gather_bytes", "gather_source"]
@@ -110,22 +115,42 @@ def _chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def _gather_gloo(source: ByteSource, sizes: Sequence[int], outputs: list[bytearray] | None,
-                 dst: int, chunk: int, ctx: _agree.GroupContext) -> None:
+                 dst: int, chunk: int, ctx: _agree.GroupContext, what: str,
+                 on_progress: Callable[[int], None] | None) -> BaseException | None:
     """Chunks of the sender's bytes straight into views of dst's outputs (point-to-point).
 
     A chunk inside one of the sender's segments is sent as a view of it; one that straddles
-    segments is packed into one of two staging chunks, so packing overlaps sending.
+    segments is packed into one of two staging chunks, so packing overlaps sending. The
+    posting and waiting run in a worker thread (see :func:`_watch.run_watched`): every posted
+    work is waited for on every path, a dead peer is named, and an interrupt waits for the
+    transfer to finish.
+
+    Returns:
+        The progress callback's exception, if it raised (carried to the final round).
     """
     me = ctx.rank
     dst_rank = ctx.group_rank_of(dst)
-    if me != dst_rank:
+
+    def send(worker: Any) -> None:
         # Every work is waited exactly once: a second wait() on a finished gloo send waits
         # for a completion that never comes.
         pending: list[Any] = []
-        staging: torch.Tensor | None = None
         slot_work: list[Any] = [None, None]
+        failure: BaseException | None = None
+
+        def settle(work: Any) -> None:
+            nonlocal failure
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - the first failure is raised below
+                if failure is None:
+                    failure = _watch.PeerFailure(dst, exc)
+
+        staging: torch.Tensor | None = None
         packed = 0
         for i, (start, n) in enumerate(_chunks(source.nbytes, chunk)):
+            if failure is not None:
+                break  # the receiver is gone: nothing more would arrive
             piece = source.view(start, n)
             slot = -1
             if piece is None:
@@ -134,8 +159,10 @@ def _gather_gloo(source: ByteSource, sizes: Sequence[int], outputs: list[bytearr
                 slot = packed % 2
                 packed += 1
                 if slot_work[slot] is not None:  # the staging slot's last send has left
-                    slot_work[slot].wait()
+                    settle(slot_work[slot])
                     slot_work[slot] = None
+                    if failure is not None:
+                        break
                 piece = staging[slot, :n]
                 source.pack(start, piece)
             work = dist.isend(piece, dst, group=ctx.group, tag=i)
@@ -144,26 +171,40 @@ def _gather_gloo(source: ByteSource, sizes: Sequence[int], outputs: list[bytearr
             else:
                 pending.append(work)
         for w in pending + [w for w in slot_work if w is not None]:
-            w.wait()
-        return
-    assert outputs is not None
-    works = []
-    for r, nbytes in enumerate(sizes):
-        if r == me or nbytes == 0:
-            continue
-        target = byte_tensor(outputs[r])
-        works += [(dist.irecv(target[s : s + n], ctx.ranks[r], group=ctx.group, tag=i), n)
-                  for i, (s, n) in enumerate(_chunks(nbytes, chunk))]
-    total = sum(sizes)
-    # dst's own bytes: one native copy (GIL released) while the receives run.
-    if source.nbytes:
-        source.pack(0, byte_tensor(outputs[me]))
-    done = source.nbytes
-    _report(done, total)
-    for w, n in works:
-        w.wait()
-        done += n
-        _report(done, total)
+            settle(w)
+        if failure is not None:
+            raise failure
+
+    def receive(worker: Any) -> None:
+        assert outputs is not None
+        works = []
+        for r, nbytes in enumerate(sizes):
+            if r == me or nbytes == 0:
+                continue
+            target = byte_tensor(outputs[r])
+            works += [(dist.irecv(target[s : s + n], ctx.ranks[r], group=ctx.group, tag=i),
+                       ctx.ranks[r], n) for i, (s, n) in enumerate(_chunks(nbytes, chunk))]
+        # dst's own bytes: one native copy (GIL released) while the receives run.
+        if source.nbytes:
+            source.pack(0, byte_tensor(outputs[me]))
+        done = source.nbytes
+        worker.report(done)
+        failure: BaseException | None = None
+        for w, src, n in works:
+            try:
+                w.wait()
+            except BaseException as exc:  # noqa: BLE001 - keep waiting for the rest
+                if failure is None:
+                    failure = _watch.PeerFailure(src, exc)
+                continue
+            done += n
+            worker.report(done)
+        if failure is not None:
+            raise failure
+
+    body = send if me != dst_rank else receive
+    return _watch.run_watched(body, ctx.ranks, what,
+                              on_progress if me == dst_rank else None)
 
 
 def gather_bytes(
@@ -230,15 +271,23 @@ def gather_source(
         return [resolve_source().to_bytearray()]
 
     ctx = _agree.resolve_group(group, what)
-    # Round 1: arguments and sizes.
+    with _watch.DeferredInterrupts() as deferred:
+        return _gather_agreed(resolve_source, dst, chunk_bytes, ctx, what, deferred)
+
+
+def _gather_agreed(resolve_source: Callable[[], ByteSource], dst: int, chunk_bytes: int,
+                   ctx: _agree.GroupContext, what: str,
+                   deferred: _watch.DeferredInterrupts) -> list[bytearray] | None:
+    """The rounds of the collective; see the module docstring."""
+    # Round 1: arguments and sizes. Any failure (BaseException too) is carried to every rank.
     try:
         _check_args(dst, chunk_bytes, ctx)
         source = resolve_source()
         own = _agree.Status(fields=(source.nbytes, chunk_bytes, dst))
-    except (Exception, SystemExit) as exc:
+    except BaseException as exc:  # noqa: BLE001 - carried to every rank, re-raised here
         source = ByteSource([])
         own = _agree.Status.failed(exc)
-    statuses = _agree.exchange(own, ctx)
+    statuses = _agree.exchange(own, ctx, what)
     _agree.raise_first_failure(what, statuses, ctx, own)
     sizes = [s.fields[0] for s in statuses]
     for name, index in (("chunk_bytes", 1), ("dst", 2)):
@@ -260,6 +309,9 @@ def gather_source(
     outputs: list[bytearray] | None = None
     pipeline = None
     try:
+        interrupted = deferred.take()  # an interrupt during round 1 fails the call here
+        if interrupted is not None:
+            raise interrupted
         if ctx.rank == dst_rank:
             outputs = [_native.empty_bytearray(n) for n in sizes]
         if data_ctx.device.type == "cuda":
@@ -267,16 +319,53 @@ def gather_source(
 
             pipeline = DeviceGather(sizes, data_ctx, dst_rank, chunk)
         alloc = _agree.Status()
-    except (Exception, SystemExit) as exc:
+    except BaseException as exc:  # noqa: BLE001 - carried to every rank, re-raised here
         outputs = None
         pipeline = None
         alloc = _agree.Status.failed(exc)
-    _agree.raise_first_failure(f"{what} (allocating)", _agree.exchange(alloc, data_ctx),
-                               ctx, alloc)
+    _agree.raise_first_failure(f"{what} (allocating)",
+                               _agree.exchange(alloc, data_ctx, what), ctx, alloc)
 
-    # Data.
-    if pipeline is not None:
-        pipeline.run(source, outputs)
-    else:
-        _gather_gloo(source, sizes, outputs, int(dst), chunk, ctx)
+    # Data. Progress is reported on dst only; a callback that raises is not called again and
+    # its exception fails the call on every rank in the final round, after the transfer.
+    total = sum(sizes)
+    callback = getattr(_progress, "callback", None)
+    on_progress = None if callback is None else (lambda done: callback(done, total))
+    callback_error: BaseException | None = None
+    try:
+        if pipeline is not None:
+            callback_error = _run_pipeline(pipeline, source, outputs, callback)
+        else:
+            callback_error = _gather_gloo(source, sizes, outputs, int(dst), chunk, ctx, what,
+                                          on_progress)
+    except _watch.PeerFailure as exc:
+        raise RuntimeError(
+            f"{what}: the transfer with rank {exc.rank} failed mid-transfer "
+            f"({_agree.describe_exception(exc.cause)}); rank {exc.rank} died or lost its "
+            "connection, and the process group can no longer be used -- the job must stop"
+        ) from exc.cause
+
+    # Final round: every rank learns whether the data phase failed anywhere (a callback on
+    # dst, an interrupt that waited for the transfer to finish), so all raise or none does.
+    failure = callback_error or deferred.take()
+    final = _agree.Status() if failure is None else _agree.Status.failed(failure)
+    _agree.raise_first_failure(f"{what} (transfer)", _agree.exchange(final, ctx, what), ctx,
+                               final)
     return outputs
+
+
+def _run_pipeline(pipeline: Any, source: ByteSource, outputs: list[bytearray] | None,
+                  callback: ProgressCallback | None) -> BaseException | None:
+    """Runs the NCCL pipeline in this thread; a progress callback's exception is returned."""
+    errors: list[BaseException] = []
+
+    def safe(done: int, total: int) -> None:
+        if callback is not None and not errors:
+            try:
+                callback(done, total)
+            except BaseException as exc:  # noqa: BLE001 - carried to the final round
+                errors.append(exc)
+
+    with report_progress(safe):
+        pipeline.run(source, outputs)
+    return errors[0] if errors else None

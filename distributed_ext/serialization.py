@@ -19,11 +19,15 @@ arrive as plain tensors and CUDA tensors as CPU tensors (``requires_grad`` is no
 
 from __future__ import annotations
 
+import array
 import collections
+import contextlib
 import io
 import os
+import stat
 import struct
 import sys
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -49,6 +53,7 @@ ALIGNMENT = 64
 MAX_DEPTH = 100
 MAX_NDIM = 64
 _NO_STORAGE = 0xFFFFFFFF
+_MAX_DEVICE_INDEX = 127  # torch.device's index is an int8; a wider one would wrap
 
 # Fixed codes: the wire must mean the same thing in every version. Codes of dtypes a torch
 # build lacks are simply never produced (and rejected when read).
@@ -150,7 +155,14 @@ class _Encoder:
             out.append(T_FLOAT)
             out += _F64.pack(float(obj))
         elif isinstance(obj, str):
-            raw = str(obj).encode("utf-8", "surrogatepass")
+            try:
+                raw = str(obj).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise TypeError(
+                    f"encode_state: {_path(path)} is a str that is not valid Unicode text "
+                    f"({exc.reason} at index {exc.start}); the format carries UTF-8 only -- "
+                    "remove the lone surrogate or store the raw bytes instead"
+                ) from None
             out.append(T_STR)
             out += _U32.pack(len(raw)) + raw
         elif isinstance(obj, (bytes, bytearray, memoryview)):
@@ -172,7 +184,7 @@ class _Encoder:
             for d in obj:
                 out += _I64.pack(int(d))
         elif isinstance(obj, torch.device):
-            raw = obj.type.encode("ascii")
+            raw = obj.type.encode("ascii")  # torch's device type names are ASCII
             out.append(T_DEVICE)
             out += _U32.pack(len(raw)) + raw + _I64.pack(-1 if obj.index is None else obj.index)
         elif isinstance(obj, dict):
@@ -346,6 +358,115 @@ def _byte_view(storage: torch.UntypedStorage, start: int, nbytes: int) -> torch.
     return base.set_(storage, start, (nbytes,))
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The absolute address range ``[lo, hi)`` of the bytes ``t`` can address."""
+    lo = t.data_ptr()
+    return lo, lo + _reach(t) * t.element_size()
+
+
+def _lay_out_storages(
+    plain: list[torch.Tensor],
+) -> tuple[list[tuple[torch.Tensor, int]], dict[int, tuple[int, int, tuple[int, ...]]]]:
+    """Which tensors travel in which storage span, and where.
+
+    Tensors whose bytes overlap in memory -- tied weights, views of one buffer, and also two
+    tensors over the same memory through different storage objects (``torch.from_numpy`` of
+    a slice and of the whole array) -- travel in one span and arrive sharing one storage, in
+    any order of the state. Tensors of one storage object travel together even when their
+    bytes do not overlap (as ``torch.save`` keeps them). A tensor alone travels as its own
+    bytes, contiguous. The span of a group is assembled from the members' storages piece by
+    piece, so no single storage has to cover it all.
+
+    Returns:
+        ``storages``: ``(flat uint8 segment, nbytes)`` per span (a CUDA span comes back on
+        its device); ``placement``: tensor index -> (span index, byte offset, strides).
+    """
+    # Union-find over tensors: same storage object, or overlapping byte ranges (per device).
+    parent = list(range(len(plain)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    by_storage: dict[tuple[str, int], int] = {}
+    ranges: list[tuple[str, int, int, int]] = []
+    for i, t in enumerate(plain):
+        if t.numel() == 0:
+            continue
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        if key in by_storage:
+            parent[find(i)] = find(by_storage[key])
+        else:
+            by_storage[key] = i
+        lo, hi = _byte_range(t)
+        ranges.append((str(t.device), lo, hi, i))
+    ranges.sort()
+    reach_end, reach_owner, reach_device = -1, -1, ""
+    for device, lo, hi, i in ranges:
+        if device == reach_device and lo < reach_end:
+            parent[find(i)] = find(reach_owner)
+        if device != reach_device or hi > reach_end:
+            reach_end, reach_owner, reach_device = hi, i, device
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(plain):
+        if t.numel():
+            groups.setdefault(find(i), []).append(i)
+
+    storages: list[tuple[torch.Tensor, int]] = []
+    placement: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+    for members in sorted(groups.values()):
+        span = _group_span(plain, members) if len(members) > 1 else None
+        if span is None:  # alone, or sharing at a misaligned offset: each member on its own
+            for i in members:
+                t = plain[i].contiguous()
+                seg = _byte_view(t.untyped_storage(), t.storage_offset() * t.element_size(),
+                                 t.numel() * t.element_size())
+                placement[i] = (len(storages), 0, _contiguous_strides(t.shape))
+                storages.append((seg, seg.numel()))
+            continue
+        seg, lo = span
+        for i in members:
+            placement[i] = (len(storages), plain[i].data_ptr() - lo, tuple(plain[i].stride()))
+        storages.append((seg, seg.numel()))
+    return storages, placement
+
+
+def _group_span(plain: list[torch.Tensor], members: list[int]
+                ) -> tuple[torch.Tensor, int] | None:
+    """The bytes covering every member, as one segment, and the address it starts at.
+
+    The start is aligned down to 64 bytes where a member's storage covers that far, so that
+    every member's offset stays a multiple of its itemsize. Pieces come from the members'
+    storages, each as long as one storage covers; pieces from several storages are joined
+    (one copy, only for a span no single storage covers). None if some member's offset would
+    be misaligned (the caller then sends each member on its own).
+    """
+    owners = {}
+    for i in members:
+        st = plain[i].untyped_storage()
+        owners[(st.data_ptr(), st.nbytes())] = (st.data_ptr(), st.nbytes(), st)
+    covers = sorted(owners.values(), key=lambda o: o[0])
+    lo_abs = min(_byte_range(plain[i])[0] for i in members)
+    hi = max(_byte_range(plain[i])[1] for i in members)
+    aligned = lo_abs // ALIGNMENT * ALIGNMENT
+    lo = aligned if any(b <= aligned < b + n for b, n, _s in covers) else lo_abs
+    if any((plain[i].data_ptr() - lo) % plain[i].element_size() for i in members):
+        return None
+    pieces: list[torch.Tensor] = []
+    cursor = lo
+    while cursor < hi:
+        best = max(((min(b + n, hi), b, st) for b, n, st in covers if b <= cursor < b + n),
+                   default=None, key=lambda c: c[0])
+        if best is None:  # cannot happen: members' bytes lie in their storages
+            return None
+        end, base, st = best
+        pieces.append(_byte_view(st, cursor - base, end - cursor))
+        cursor = end
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)), lo
+
+
 def encode_state(state: Any) -> EncodedState:
     """Encodes ``state`` into segments without copying tensor bytes.
 
@@ -366,33 +487,8 @@ def encode_state(state: Any) -> EncodedState:
     enc.value(state, "", 0)
     tree = bytes(enc.out)
 
-    # Group tensors by the storage they view, so shared storages travel once.
     plain = [_resolve_bits(t) for t in enc.tensors]
-    groups: dict[tuple[str, int], list[int]] = {}
-    for i, t in enumerate(plain):
-        if t.numel() == 0:
-            continue
-        groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(i)
-
-    storages: list[tuple[torch.Tensor, int]] = []  # (flat uint8 CPU segment, nbytes)
-    records: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = []
-    placement: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # tensor -> storage, off, strides
-    for members in groups.values():
-        if len(members) == 1:
-            i = members[0]
-            t = plain[i].contiguous()
-            seg = _byte_view(t.untyped_storage(), t.storage_offset() * t.element_size(),
-                             t.numel() * t.element_size())
-            placement[i] = (len(storages), 0, _contiguous_strides(t.shape))
-            storages.append((seg, seg.numel()))
-            continue
-        starts = {i: plain[i].storage_offset() * plain[i].element_size() for i in members}
-        lo = min(starts.values()) // ALIGNMENT * ALIGNMENT  # keeps every offset dtype-aligned
-        hi = max(starts[i] + _reach(plain[i]) * plain[i].element_size() for i in members)
-        seg = _byte_view(plain[members[0]].untyped_storage(), lo, hi - lo)
-        for i in members:
-            placement[i] = (len(storages), starts[i] - lo, tuple(plain[i].stride()))
-        storages.append((seg, hi - lo))
+    storages, placement = _lay_out_storages(plain)
 
     # Device-resident spans cross to the host together (packed on the device, few copies).
     on_device = [k for k, (seg, _n) in enumerate(storages) if seg.device.type != "cpu"]
@@ -401,6 +497,7 @@ def encode_state(state: Any) -> EncodedState:
         for k, seg in zip(on_device, hosted):
             storages[k] = (seg, storages[k][1])
 
+    records: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = []
     for i, t in enumerate(plain):
         if i in placement:
             storage, offset, strides = placement[i]
@@ -455,7 +552,11 @@ def write_state(state: Any, file: str | os.PathLike[str] | IO[bytes] | None = No
 
     Peak memory: the returned buffer (exactly the encoded size) when writing to memory; a
     ``chunk_bytes`` staging buffer when writing to a file. A file given by path is written to
-    a temporary name and renamed, so a failure never leaves a half-written file behind.
+    a temporary file of its own in the same directory (a unique name, created exclusively) and
+    renamed into place, so a failure never leaves a half-written file behind, and of two
+    writers of one path the last rename wins whole. A stream is written in full: a raw stream
+    that takes part of a write is called again for the rest, and one that takes nothing
+    raises OSError.
 
     Returns:
         The bytearray when ``file`` is None, else None.
@@ -465,13 +566,16 @@ def write_state(state: Any, file: str | os.PathLike[str] | IO[bytes] | None = No
         return encoded.source().to_bytearray()
     if isinstance(file, (str, os.PathLike)):
         path = os.fspath(file)
-        tmp = f"{path}.tmp-{os.getpid()}"
+        directory, name = os.path.split(os.path.abspath(path))
+        # Unique per writer (threads, processes, containers sharing a pid): never shared.
+        tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            with open(tmp, "wb") as f:
+            with open(fd, "wb") as f:
                 _write_chunks(encoded, f, chunk_bytes)
             os.replace(tmp, path)
         except BaseException:
-            if os.path.exists(tmp):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
         return None
@@ -514,7 +618,26 @@ def _write_chunks(encoded: EncodedState, f: IO[bytes], chunk_bytes: int) -> None
     for start in range(0, encoded.nbytes, len(staging)):
         n = min(len(staging), encoded.nbytes - start)
         pack_encoded(encoded, view[:n], start)
-        f.write(memoryview(staging)[:n])
+        write_fully(f, memoryview(staging)[:n], "write_state")
+
+
+def write_fully(f: IO[bytes], data: memoryview, what: str) -> None:
+    """Writes every byte of ``data`` to ``f``, calling ``write`` again after a short write.
+
+    Raises:
+        OSError: ``f.write`` took nothing (returned 0, or None: a non-blocking stream that
+            would block), naming how far it got.
+    """
+    done, total = 0, len(data)
+    while done < total:
+        n = f.write(data[done:])
+        if n is None or not isinstance(n, int) or n <= 0:
+            raise OSError(
+                f"{what}: the stream took no bytes after {done} of {total} (write returned "
+                f"{n!r}); pass a blocking binary stream (a file, io.BufferedWriter, or a "
+                "socket's makefile('wb'))"
+            )
+        done += n
 
 
 # -- decoding ------------------------------------------------------------------------------
@@ -547,7 +670,7 @@ class _Reader:
         return n
 
 
-def _check_preamble(buf: memoryview) -> tuple[int, int, int]:
+def _check_preamble(buf: memoryview, exact: bool = True) -> tuple[int, int, int]:
     if len(buf) < _PREAMBLE.size:
         raise ValueError(f"decode_state: buffer of {len(buf)} bytes is shorter than the "
                          f"{_PREAMBLE.size}-byte preamble")
@@ -560,22 +683,54 @@ def _check_preamble(buf: memoryview) -> tuple[int, int, int]:
                          f"supported (this reader knows version {VERSION}, flags 0)")
     if _PREAMBLE.size + header_len > data_off or data_off % ALIGNMENT:
         raise ValueError("decode_state: header length and data offset disagree")
-    if data_off + data_len != len(buf):
+    if exact and data_off + data_len != len(buf):
         raise ValueError(f"decode_state: the preamble says {data_off + data_len} bytes, the "
                          f"buffer has {len(buf)} (truncated or padded?)")
     return header_len, data_off, data_len
 
 
-def decode_state(buffer: bytes | bytearray | memoryview) -> Any:
+DEFAULT_MAX_EXPANSION = 1024
+_TENSORS_PER_BYTE = 64  # the default tensor cap: one tensor per 64 buffer bytes, plus 1024
+_MIN_TENSORS = 1024
+
+
+def resolve_max_tensors(nbytes: int, max_tensors: int | None) -> int:
+    """The tensor-count cap for a buffer of ``nbytes``: ``max_tensors`` or the default."""
+    if max_tensors is not None:
+        return max_tensors
+    return _MIN_TENSORS + nbytes // _TENSORS_PER_BYTE
+
+
+def decode_state(buffer: bytes | bytearray | memoryview, *,
+                 max_expansion: int = DEFAULT_MAX_EXPANSION,
+                 max_tensors: int | None = None) -> Any:
     """Decodes an encoded state; its tensors are views of ``buffer`` (no tensor bytes copied).
 
     The buffer stays alive as long as any decoded tensor does. Tensors decoded from a
     read-only buffer (``bytes``) must not be written to; pass a bytearray for writable ones.
-    Peak memory: the decoded values and tensor metadata; no tensor data.
+
+    Bounds, so that a hostile buffer cannot make the decoder or its consumer allocate without
+    limit:
+
+    - Peak memory: no tensor data, and Python objects of at most about 16x the buffer's size
+      plus 1 MiB. A decoded tensor costs ~0.9 KiB of Python and torch objects, so the number of
+      tensors is capped at ``max_tensors`` (default: one per 64 buffer bytes, plus 1024: every
+      tensor that owns its storage takes at least 64 bytes of data region anyway); values
+      of the tree cost at most ~16x their encoded bytes (an 8-byte list slot per 1-byte None).
+    - Logical size: a tensor may address more elements than its bytes (an ``expand``-ed view,
+      stride 0), but its logical size (``numel x itemsize``) may not exceed ``max_expansion``
+      times the buffer's size (default 1024), so no consumer is handed, say, 2**62 elements
+      from 192 bytes. Raise it for states of heavily expanded views.
+
+    Args:
+        buffer: The encoded bytes (bytes, bytearray, memoryview, or any contiguous buffer).
+        max_expansion: The largest logical tensor size, as a multiple of ``len(buffer)``.
+        max_tensors: The most tensor records accepted (None: the default above).
 
     Raises:
         ValueError: the buffer is malformed (truncated, mutated, hostile): every length,
-            offset, dtype, shape, stride and nesting depth is checked before use.
+            offset, dtype, shape, stride, device index, string and nesting depth is checked
+            before use, and the bounds above are enforced; the message names what is wrong.
         TypeError: ``buffer`` is not a contiguous byte buffer.
     """
     try:
@@ -588,18 +743,48 @@ def decode_state(buffer: bytes | bytearray | memoryview) -> Any:
     buf = buf.cast("B") if (buf.format != "B" or buf.ndim != 1) else buf
     header_len, data_off, data_len = _check_preamble(buf)
     reader = _Reader(buf[_PREAMBLE.size : _PREAMBLE.size + header_len])
+    tensor_cap = resolve_max_tensors(len(buf), max_tensors)
+    logical_cap = max_expansion * len(buf)
 
+    # Storages: 64-byte aligned, in increasing order, never overlapping (as the writer lays
+    # them out), so their number is bounded by the data region; kept as two flat int arrays.
     n_storages = reader.count("storage table", _STORAGE.size)
-    storage_spans = []
+    if n_storages > data_len // ALIGNMENT + 1:
+        raise ValueError(f"decode_state: {n_storages} storages cannot fit a data region of "
+                         f"{data_len} bytes at 64-byte alignment")
+    storage_starts = array.array("q")
+    storage_lens = array.array("q")
+    previous_end = 0
     for i in range(n_storages):
         offset, nbytes = reader.unpack(_STORAGE, "storage record")
         if offset > data_len or nbytes > data_len - offset or nbytes == 0:
             raise ValueError(f"decode_state: storage {i} [{offset}, +{nbytes}) lies outside "
                              f"the data region of {data_len} bytes")
-        storage_spans.append((data_off + offset, nbytes))
+        if offset % ALIGNMENT or offset < previous_end:
+            raise ValueError(f"decode_state: storage {i} at {offset} is not 64-byte aligned "
+                             "after the previous one (storages overlap or are out of order)")
+        previous_end = offset + nbytes
+        storage_starts.append(data_off + offset)
+        storage_lens.append(nbytes)
 
     n_tensors = reader.count("tensor table", _TENSOR.size)
-    specs = []
+    if n_tensors > tensor_cap:
+        raise ValueError(f"decode_state: {n_tensors} tensor records exceed the cap of "
+                         f"{tensor_cap} for a buffer of {len(buf)} bytes; pass max_tensors= "
+                         "to accept more if the buffer is trusted")
+    storage_views: dict[int, torch.Tensor] = {}
+
+    def storage_view(index: int) -> torch.Tensor:
+        view = storage_views.get(index)
+        if view is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only buffers: see above
+                view = torch.frombuffer(buf, dtype=torch.uint8, count=storage_lens[index],
+                                        offset=storage_starts[index])
+            storage_views[index] = view
+        return view
+
+    tensors: list[torch.Tensor] = []
     for i in range(n_tensors):
         code, ndim, storage, offset = reader.unpack(_TENSOR, "tensor record")
         dtype = CODE_DTYPES.get(code)
@@ -615,33 +800,28 @@ def decode_state(buffer: bytes | bytearray | memoryview) -> Any:
         for d in shape:
             numel *= d
         itemsize = dtype.itemsize
-        if numel == 0:
-            if storage != _NO_STORAGE:
-                raise ValueError(f"decode_state: empty tensor {i} names a storage")
-            specs.append((dtype, shape, strides, None, 0, 0))
-            continue
-        if storage >= n_storages:
-            raise ValueError(f"decode_state: tensor {i} names storage {storage} of "
-                             f"{n_storages}")
-        reach = 1 + sum((d - 1) * s for d, s in zip(shape, strides))
-        span_start, span_len = storage_spans[storage]
-        if offset % itemsize or offset > span_len or reach * itemsize > span_len - offset:
-            raise ValueError(f"decode_state: tensor {i} ({dtype}, shape {list(shape)}, "
-                             f"strides {list(strides)}) at byte {offset} does not fit its "
-                             f"storage of {span_len} bytes")
-        specs.append((dtype, shape, strides, storage, offset, reach))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: documented above
-        storages = [torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=o)
-                    for o, n in storage_spans]
-    tensors: list[torch.Tensor] = []
-    for i, (dtype, shape, strides, storage, offset, reach) in enumerate(specs):
+        if numel * itemsize > logical_cap:
+            raise ValueError(
+                f"decode_state: tensor {i} ({dtype}, shape {list(shape)}) has a logical size "
+                f"of {numel * itemsize} bytes, over max_expansion={max_expansion} times the "
+                f"{len(buf)}-byte buffer; pass a larger max_expansion if the buffer is trusted"
+            )
         try:
-            if storage is None:
+            if numel == 0:
+                if storage != _NO_STORAGE:
+                    raise ValueError(f"decode_state: empty tensor {i} names a storage")
                 tensors.append(torch.empty(shape, dtype=dtype).as_strided(shape, strides))
                 continue
-            flat = storages[storage][offset : offset + reach * dtype.itemsize].view(dtype)
+            if storage >= n_storages:
+                raise ValueError(f"decode_state: tensor {i} names storage {storage} of "
+                                 f"{n_storages}")
+            reach = 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+            span_len = storage_lens[storage]
+            if offset % itemsize or offset > span_len or reach * itemsize > span_len - offset:
+                raise ValueError(f"decode_state: tensor {i} ({dtype}, shape {list(shape)}, "
+                                 f"strides {list(strides)}) at byte {offset} does not fit its "
+                                 f"storage of {span_len} bytes")
+            flat = storage_view(storage)[offset : offset + reach * itemsize].view(dtype)
             tensors.append(flat.as_strided(shape, strides))
         except (RuntimeError, OverflowError) as exc:
             raise ValueError(f"decode_state: tensor {i} cannot be built: {exc}") from None
@@ -673,7 +853,7 @@ def _decode_value(r: _Reader, tensors: list[torch.Tensor], depth: int) -> Any:
     if tag == T_STR:
         (n,) = r.unpack(_U32, "str length")
         try:
-            return str(r.take(n, "str"), "utf-8", "surrogatepass")
+            return str(r.take(n, "str"), "utf-8")  # strict: encoded surrogates are refused
         except UnicodeDecodeError as exc:
             raise ValueError(f"decode_state: a str is not valid UTF-8 ({exc})") from None
     if tag == T_BYTES:
@@ -706,8 +886,14 @@ def _decode_value(r: _Reader, tensors: list[torch.Tensor], depth: int) -> Any:
         (n,) = r.unpack(_U32, "device type length")
         if n > 64:
             raise ValueError("decode_state: device type name too long")
-        kind = bytes(r.take(n, "device type")).decode("ascii", "replace")
+        try:
+            kind = bytes(r.take(n, "device type")).decode("ascii")
+        except UnicodeDecodeError:
+            raise ValueError("decode_state: a device type name is not ASCII") from None
         (index,) = r.unpack(_I64, "device index")
+        if not -1 <= index <= _MAX_DEVICE_INDEX:
+            raise ValueError(f"decode_state: device index {index} is out of range (-1 for "
+                             f"none, else 0..{_MAX_DEVICE_INDEX}, torch's DeviceIndex)")
         try:
             return torch.device(kind) if index == -1 else torch.device(kind, index)
         except (RuntimeError, ValueError) as exc:
@@ -720,22 +906,76 @@ def _decode_value(r: _Reader, tensors: list[torch.Tensor], depth: int) -> Any:
     raise ValueError(f"decode_state: unknown value tag {tag}")
 
 
-def read_state(file: str | os.PathLike[str] | IO[bytes]) -> Any:
-    """Reads a file written by :func:`write_state` into one bytearray and decodes it (views)."""
+_READ_PIECE = 64 * 2**20
+
+
+def read_state(file: str | os.PathLike[str] | IO[bytes], *,
+               max_expansion: int = DEFAULT_MAX_EXPANSION,
+               max_tensors: int | None = None) -> Any:
+    """Reads one state written by :func:`write_state` from a path or a binary stream; decodes it.
+
+    The 32-byte preamble is read and checked first (magic, version, lengths), then exactly the
+    length it declares, from the stream's current position; the stream is left just after the
+    state, so several states can be read from one stream in turn. A regular file shorter than
+    the declared length is refused before anything is allocated; from a pipe or socket the
+    buffer grows only as bytes arrive (64 MiB at a time), so a lying preamble cannot make it
+    allocate more than was sent. The decoded tensors are views of one bytearray of exactly the
+    state's size (see :func:`decode_state` for ``max_expansion`` and ``max_tensors``).
+
+    Raises:
+        ValueError: not a state (bad magic or version), a truncated stream, or malformed bytes.
+    """
     if isinstance(file, (str, os.PathLike)):
         with open(file, "rb") as f:
-            return read_state(f)
+            return read_state(f, max_expansion=max_expansion, max_tensors=max_tensors)
+    preamble = _read_exactly(file, _PREAMBLE.size, bytearray(_PREAMBLE.size))
+    header_len, data_off, data_len = _check_preamble(memoryview(preamble), exact=False)
+    total = data_off + data_len
+    available = _remaining_bytes(file)
+    if available is not None and total - _PREAMBLE.size > available:
+        raise ValueError(f"read_state: the preamble declares a {total}-byte state, but only "
+                         f"{_PREAMBLE.size + available} bytes are left in the file (truncated?)")
+    if available is not None:  # a regular file: one exact allocation
+        buf = _native.empty_bytearray(total)
+        buf[: _PREAMBLE.size] = preamble
+        _read_exactly(file, total - _PREAMBLE.size, memoryview(buf)[_PREAMBLE.size :])
+    else:  # a pipe or socket: grow with what actually arrives
+        buf = preamble
+        while len(buf) < total:
+            piece = min(_READ_PIECE, total - len(buf))
+            start = len(buf)
+            buf.extend(bytes(piece))
+            _read_exactly(file, piece, memoryview(buf)[start:], got_before=start, total=total)
+    return decode_state(buf, max_expansion=max_expansion, max_tensors=max_tensors)
+
+
+def _remaining_bytes(file: IO[bytes]) -> int | None:
+    """Bytes from the position to the end of a regular file or BytesIO; None for streams."""
     if isinstance(file, io.BytesIO):
-        return decode_state(bytearray(file.getbuffer()))
+        return len(file.getbuffer()) - file.tell()
     try:
-        size = os.fstat(file.fileno()).st_size - file.tell()
-    except (OSError, AttributeError, io.UnsupportedOperation):
-        return decode_state(bytearray(file.read()))
-    buf = _native.empty_bytearray(size)
-    view, got = memoryview(buf), 0
-    while got < size:
-        n = file.readinto(view[got:])  # type: ignore[attr-defined]
-        if not n:
-            raise ValueError(f"read_state: file ended after {got} of {size} bytes")
-        got += n
-    return decode_state(buf)
+        st = os.fstat(file.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return st.st_size - file.tell()
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def _read_exactly(file: IO[bytes], n: int, into: bytearray | memoryview, got_before: int = 0,
+                  total: int | None = None) -> bytearray | memoryview:
+    """Fills ``into[:n]`` from ``file``; ValueError if the stream ends first."""
+    view, got = memoryview(into), 0
+    while got < n:
+        if hasattr(file, "readinto"):
+            k = file.readinto(view[got:n])  # type: ignore[attr-defined]
+        else:
+            chunk = file.read(n - got)
+            k = len(chunk) if chunk else 0
+            view[got : got + k] = chunk
+        if not k:
+            what = total if total is not None else (n if got_before == 0 else got_before + n)
+            raise ValueError(f"read_state: the stream ended after {got_before + got} of "
+                             f"{what} bytes (truncated?)")
+        got += k
+    return into

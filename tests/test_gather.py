@@ -331,3 +331,100 @@ def test_progress_is_reported_on_dst_only():
     assert [d for d, _t in dst] == sorted(d for d, _t in dst)  # never goes backwards
     assert len(dst) >= 10  # chunk by chunk, not once at the end
     assert values[1] == [] and values[2] == []
+
+
+# -- a peer that dies mid-transfer (issue 10, item 3) ----------------------------------------
+
+
+def _killed_mid_transfer(victim, death_file):
+    import signal
+    import threading
+    import time
+
+    from distributed_ext.gather import report_progress
+
+    r = dist.get_rank()
+    data = bytes(2**30)  # 1 GiB per rank, moved in 1 MiB chunks
+
+    def die():
+        with open(death_file, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_progress(done, total):
+        if r == victim and done >= 2**30 + 64 * 2**20:  # dst: 64 MiB into a peer's bytes
+            die()
+
+    if r == victim and victim != 0:
+        threading.Timer(0.25, die).start()  # a sender: a quarter second into the call
+    try:
+        with report_progress(on_progress):
+            dx.gather_bytes(data, 0, chunk_bytes=2**20)
+        return ("ok", time.time())
+    except BaseException as exc:  # noqa: BLE001
+        return ("raised", time.time(), type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("world, victim", [(2, 1), (2, 0), (3, 1), (3, 0)])
+def test_a_peer_killed_mid_transfer_is_named_by_every_survivor_within_10_s(world, victim,
+                                                                             tmp_path):
+    death_file = str(tmp_path / "death")
+    # The group's own timeout is far away (120 s): only the liveness watch can be this quick.
+    res = run_ranks(_killed_mid_transfer, world, victim, death_file, pg_timeout=120,
+                    timeout=100)
+    assert res[victim].exit_code == -9, res[victim]
+    with open(death_file) as f:
+        died = float(f.read())
+    for r in set(range(world)) - {victim}:
+        assert not res[r].timed_out, f"rank {r} hung"
+        outcome = res[r].value
+        assert outcome[0] == "raised" and outcome[2] == "RuntimeError", outcome
+        assert f"rank {victim} " in outcome[3], outcome
+        assert outcome[1] - died < 10, (r, outcome[1] - died, outcome)
+
+
+# -- an exception on dst during the data phase (issue 10, item 4) ----------------------------
+
+
+def _failure_in_data_phase(kind, chunk):
+    import signal
+    import threading
+
+    from distributed_ext.gather import report_progress
+
+    r = dist.get_rank()
+    data = bytes([r + 1]) * (128 * 2**20)
+    calls = []
+
+    def on_progress(done, total):
+        calls.append(done)
+        if kind == "callback" and len(calls) == 3:
+            raise ValueError("progress bar broke")
+
+    if kind == "sigint" and r == 0:
+        # Ctrl-C on dst while it waits for the transfer.
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        with report_progress(on_progress):
+            dx.gather_bytes(data, 0, chunk_bytes=chunk)
+        first = ("ok",)
+    except BaseException as exc:  # noqa: BLE001
+        first = ("raised", type(exc).__name__, str(exc))
+    # The group must be usable at once: the next gather moves every byte.
+    out = dx.gather_bytes(bytes([r + 7]) * 4096, 0, chunk_bytes=1000)
+    second = None if out is None else [bytes(o) == bytes([i + 7]) * 4096 for i, o in enumerate(out)]
+    return first, second, len(calls)
+
+
+@pytest.mark.parametrize("kind", ["callback", "sigint"])
+def test_failure_on_dst_mid_transfer_is_agreed_and_the_group_stays_usable(kind):
+    res = run_ranks(_failure_in_data_phase, 3, kind, 2**20, pg_timeout=60, timeout=50)
+    values = assert_all_ok(res)
+    expected = "ValueError" if kind == "callback" else "KeyboardInterrupt"
+    assert values[0][0][:2] == ("raised", expected), values[0]
+    if kind == "callback":
+        assert values[0][2] == 3  # not called again after it raised
+    for r in (1, 2):
+        assert values[r][0][:2] == ("raised", "RuntimeError"), values[r]
+        assert f"rank 0 failed with {expected}" in values[r][0][2]
+    assert values[0][1] == [True, True, True]

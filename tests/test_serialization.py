@@ -406,3 +406,347 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
             capture_output=True, text=True, timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -- issue 10, items 5-11: every contract of the format holds -------------------------------
+
+
+class _Trickle(io.RawIOBase):
+    """A raw stream that takes at most ``limit`` bytes per write (as a socket or pipe may)."""
+
+    def __init__(self, limit):
+        self.limit, self.data = limit, bytearray()
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        n = min(len(b), self.limit)
+        self.data += bytes(memoryview(b)[:n])
+        return n
+
+
+def test_short_writes_are_continued_until_every_byte_is_written():
+    state = {"w": torch.arange(100_000, dtype=torch.float32)}
+    sink = _Trickle(4096)
+    S.write_state(state, sink)
+    assert len(sink.data) == len(S.write_state(state)) == 400_128
+    assert torch.equal(S.decode_state(sink.data)["w"], state["w"])
+
+
+def test_short_writes_over_a_socket():
+    import socket
+    import threading
+
+    state = {"w": torch.arange(4_000_000, dtype=torch.float32)}  # 16 MB
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+    received = bytearray()
+
+    def drain():
+        while chunk := b.recv(1 << 20):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    with a.makefile("wb", buffering=0) as raw:  # SocketIO: write() may take part of a buffer
+        S.write_state(state, raw)
+    a.close()
+    reader.join(30)
+    assert len(received) == 16_000_128
+    assert torch.equal(S.decode_state(received)["w"], state["w"])
+
+
+class _Stuck(io.RawIOBase):
+    def writable(self):
+        return True
+
+    def write(self, b):
+        return None  # a non-blocking stream that would block
+
+
+def test_a_stream_that_takes_nothing_raises():
+    with pytest.raises(OSError, match="took no bytes after 0 of"):
+        S.write_state({"w": torch.ones(10)}, _Stuck())
+
+
+def test_two_writers_of_one_path_never_mix(tmp_path, monkeypatch):
+    import threading
+
+    path = tmp_path / "state.dxst"
+    states = [{"who": torch.full((2_000_000,), float(k))} for k in range(2)]
+    barrier = threading.Barrier(2)
+    # Both writers in one process: the same pid, as two containers' processes may have.
+    real = S._write_chunks
+
+    def slow_write(encoded, f, chunk_bytes):
+        barrier.wait(10)
+        real(encoded, f, 2**16)
+
+    monkeypatch.setattr(S, "_write_chunks", slow_write)
+    threads = [threading.Thread(target=S.write_state, args=(s, path)) for s in states]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    out = S.read_state(path)["who"]
+    assert torch.equal(out, states[0]["who"]) or torch.equal(out, states[1]["who"])
+    assert os.listdir(tmp_path) == ["state.dxst"]  # no temp file left behind
+
+
+def test_written_file_mode_follows_the_umask(tmp_path):
+    path = tmp_path / "s.dxst"
+    S.write_state({"a": 1}, path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (os.stat(path).st_mode & 0o777) == (0o666 & ~umask)
+
+
+def _rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _many_scalar_records(n):
+    """A hostile-shaped but well-formed buffer: a list of n 0-dim float32 tensors, every one
+    a view of the same 4-byte storage (built directly: encoding n tensors would be slow)."""
+    import array as _array
+
+    storage_table = struct.pack("<I", 1) + struct.pack("<QQ", 0, 4)
+    tensor_table = struct.pack("<I", n) + S._TENSOR.pack(1, 0, 0, 0) * n
+    refs = _array.array("I", range(n)).tobytes()
+    tree = bytearray(struct.pack("<BI", S.T_LIST, n))
+    tags = bytearray(5 * n)
+    tags[0::5] = bytes([S.T_TENSOR]) * n
+    for k in range(4):
+        tags[1 + k :: 5] = refs[k::4]
+    blob = storage_table + tensor_table + bytes(tree) + bytes(tags)
+    data_off = (S._PREAMBLE.size + len(blob) + 63) // 64 * 64
+    pre = S._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 4)
+    return (pre + blob).ljust(data_off, b"\0") + bytes(4)
+
+
+def test_decoding_memory_is_bounded_for_many_tensor_records():
+    import gc
+
+    n = 1_000_000  # ~19 MB of header: 0-dim views of one 4-byte storage
+    buf = bytearray(_many_scalar_records(n))
+    gc.collect()
+    before = _rss()
+    with pytest.raises(ValueError, match="tensor records exceed the cap"):
+        S.decode_state(buf)
+    assert _rss() - before < 64 * 2**20
+    # Under the default cap the decode is allowed, and its memory stays within 16x the buffer:
+    # 100,000 scalar views beside 8 MB of data (the cap is one tensor per 64 buffer bytes).
+    base = torch.zeros(1)
+    state = {"views": [base[0] for _ in range(100_000)], "data": torch.ones(2 * 2**20)}
+    allowed = bytearray(S.write_state(state))
+    assert 100_001 <= S.resolve_max_tensors(len(allowed), None)
+    gc.collect()
+    before = _rss()
+    out = S.decode_state(allowed)
+    grown = _rss() - before
+    assert len(out["views"]) == 100_000 and grown < 16 * len(allowed) + 2**20, (
+        grown, len(allowed))
+    del out
+    # A trusted caller raises the cap.
+    assert len(S.decode_state(_many_scalar_records(50_000), max_tensors=50_000)) == 50_000
+
+
+def _storage_table_bomb(n_storages):
+    """A buffer whose storage table holds n_storages records over a tiny data region."""
+    storage_table = struct.pack("<I", n_storages) + struct.pack("<QQ", 0, 1) * n_storages
+    blob = storage_table + struct.pack("<I", 0) + bytes([S.T_NONE])
+    data_off = (S._PREAMBLE.size + len(blob) + 63) // 64 * 64
+    pre = S._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 64)
+    return (pre + blob).ljust(data_off, b"\0") + bytes(64)
+
+
+def test_a_storage_table_bomb_is_refused_without_allocating():
+    buf = _storage_table_bomb(1_000_000)  # 16 MB of records, each overlapping the last
+    before = _rss()
+    with pytest.raises(ValueError, match="storages cannot fit"):
+        S.decode_state(buf)
+    assert _rss() - before < 32 * 2**20
+
+
+def test_overlapping_storages_are_refused():
+    # Two storages at the same offset: a writer never does this.
+    storage_table = struct.pack("<I", 2) + struct.pack("<QQ", 0, 64) * 2
+    blob = storage_table + struct.pack("<I", 0) + bytes([S.T_NONE])
+    data_off = (S._PREAMBLE.size + len(blob) + 63) // 64 * 64
+    buf = (S._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 128)
+           + blob).ljust(data_off, b"\0") + bytes(128)
+    with pytest.raises(ValueError, match="overlap or are out of order"):
+        S.decode_state(buf)
+
+
+class _Pipe(io.RawIOBase):
+    """A non-seekable stream (as a FIFO is) that counts what was read from it."""
+
+    def __init__(self, data):
+        self.data, self.pos = data, 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        n = min(len(b), len(self.data) - self.pos)
+        memoryview(b)[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def test_read_state_checks_the_preamble_before_reading_on():
+    zeros = _Pipe(memoryview(bytes(64 * 2**20)))
+    with pytest.raises(ValueError, match="bad magic"):
+        S.read_state(zeros)
+    assert zeros.pos == 32  # the preamble only
+
+
+def test_read_state_reads_exactly_the_declared_length(tmp_path):
+    a, b = {"a": torch.arange(10)}, {"b": torch.ones(3)}
+    stream = _Pipe(memoryview(bytes(S.write_state(a)) + bytes(S.write_state(b)) + b"tail"))
+    assert torch.equal(S.read_state(stream)["a"], a["a"])
+    assert torch.equal(S.read_state(stream)["b"], b["b"])  # the next state, in turn
+    assert stream.read() == b"tail"
+
+
+def test_a_lying_preamble_does_not_allocate_what_it_claims(tmp_path):
+    buf = bytearray(S.write_state({"a": torch.ones(4)}))
+    _m, v, fl, hl, off, _n = S._PREAMBLE.unpack_from(buf)
+    S._PREAMBLE.pack_into(buf, 0, S.MAGIC, v, fl, hl, off, 2**40)  # claims a terabyte
+    before = _rss()
+    with pytest.raises(ValueError, match="ended after"):
+        S.read_state(_Pipe(memoryview(bytes(buf))))
+    assert _rss() - before < 256 * 2**20
+    path = tmp_path / "liar.dxst"
+    path.write_bytes(buf)
+    with pytest.raises(ValueError, match="only .* bytes are left in the file"):
+        S.read_state(path)
+
+
+def test_read_state_honours_the_stream_position(tmp_path):
+    blob = bytes(S.write_state({"x": torch.arange(5)}))
+    stream = io.BytesIO(b"JUNK" + blob)
+    stream.seek(4)
+    assert torch.equal(S.read_state(stream)["x"], torch.arange(5))
+    path = tmp_path / "f"
+    path.write_bytes(b"JUNK" + blob)
+    with open(path, "rb") as f:
+        f.seek(4)
+        assert torch.equal(S.read_state(f)["x"], torch.arange(5))
+
+
+@pytest.mark.parametrize("first", ["head", "all"])
+def test_tensors_whose_memory_overlaps_encode_in_any_order(first):
+    np = pytest.importorskip("numpy")
+    a = np.arange(1000, dtype=np.float32)
+    head, whole = torch.from_numpy(a[:10]), torch.from_numpy(a)
+    mid = torch.from_numpy(a[400:700])
+    state = {"head": head, "all": whole, "mid": mid} if first == "head" else {
+        "all": whole, "mid": mid, "head": head}
+    out = roundtrip(state)
+    for k in state:
+        assert torch.equal(out[k], state[k])
+    # One storage: they overlapped in memory, so they still share it.
+    ptrs = {out[k].untyped_storage().data_ptr() for k in out}
+    assert len(ptrs) == 1
+    assert len(S.write_state(state)) < 4000 + 1000  # travelled once
+
+
+def test_partially_overlapping_views_from_different_storages():
+    np = pytest.importorskip("numpy")
+    a = np.arange(1000, dtype=np.float64)
+    state = {"x": torch.from_numpy(a[0:600]), "y": torch.from_numpy(a[500:1000])}
+    out = roundtrip(state)
+    assert torch.equal(out["x"], state["x"]) and torch.equal(out["y"], state["y"])
+    out["x"][550] = -1.0  # still one memory, as at the writer
+    assert out["y"][50].item() == -1.0
+
+
+def _expanded_bomb():
+    """The 192-byte buffer of the issue: one float of data, 2**62 elements by stride 0."""
+    base = torch.zeros(1)
+    buf = bytearray(S.write_state([base, base.expand(4)]))  # shared: the view keeps stride 0
+    pos = buf.index(struct.pack("<qq", 4, 0))  # shape (4,), stride (0,)
+    buf[pos : pos + 8] = struct.pack("<q", 2**62)
+    return buf
+
+
+def test_tensors_larger_than_the_buffer_allows_are_refused():
+    buf = _expanded_bomb()
+    assert len(buf) < 256  # a couple of hundred bytes
+    with pytest.raises(ValueError, match="max_expansion=1024"):
+        S.decode_state(buf)
+
+
+def test_legitimate_expanded_views_round_trip_and_the_limit_can_be_raised():
+    one, row = torch.ones(1), torch.arange(8.0)
+    state = {"one": one, "mask": one.expand(4096), "row": row, "bias": row.expand(64, 8)}
+    out = roundtrip(state)
+    assert torch.equal(out["mask"], state["mask"]) and out["mask"].stride() == (0,)
+    assert torch.equal(out["bias"], state["bias"]) and out["bias"].stride() == (0, 1)
+    big = {"one": one, "b": one.expand(10_000_000)}  # 40 MB logical from a few hundred bytes
+    blob = S.write_state(big)
+    with pytest.raises(ValueError, match="logical size"):
+        S.decode_state(blob)
+    assert S.decode_state(blob, max_expansion=10**6)["b"].shape == (10_000_000,)
+
+
+@pytest.mark.parametrize("index", [128, 300, -2, 2**40])
+def test_device_indices_outside_torch_range_are_refused(index):
+    buf = bytearray(S.write_state({"d": torch.device("cpu", 3)}))
+    pos = buf.index(b"cpu" + struct.pack("<q", 3)) + 3
+    buf[pos : pos + 8] = struct.pack("<q", index)
+    with pytest.raises(ValueError, match="device index"):
+        S.decode_state(buf)
+
+
+def test_device_indices_in_range_round_trip():
+    for d in (torch.device("cpu"), torch.device("cpu", 0), torch.device("cuda", 127)):
+        assert roundtrip({"d": d})["d"] == d
+
+
+def test_encoded_surrogates_are_refused_and_lone_surrogates_never_written():
+    buf = bytearray(S.write_state({"k": "ab"}))
+    pos = buf.index(b"ab")
+    buf[pos - 4 : pos + 2] = struct.pack("<I", 3) + b"\xed\xa0"  # \ud800 in surrogatepass
+    buf.insert(pos + 2, 0x80)
+    # Fix the header length for the inserted byte.
+    _m, v, fl, hl, off, n = S._PREAMBLE.unpack_from(buf)
+    del buf[off : off + 1]  # keep the total length: drop one padding byte before data
+    S._PREAMBLE.pack_into(buf, 0, S.MAGIC, v, fl, hl + 1, off, n)
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        S.decode_state(buf)
+    with pytest.raises(TypeError, match=r"state\['k'\] is a str that is not valid Unicode"):
+        S.write_state({"k": "a\ud800b"})
+    with pytest.raises(TypeError, match="not valid Unicode"):
+        S.write_state({"a\udc80": 1})
+
+
+def _tree_bomb(item, n):
+    """A list of n copies of one encoded value (item: its bytes), built directly."""
+    blob = struct.pack("<I", 0) + struct.pack("<I", 0) + struct.pack("<BI", S.T_LIST, n) + item * n
+    data_off = (S._PREAMBLE.size + len(blob) + 63) // 64 * 64
+    pre = S._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 0)
+    return (pre + blob).ljust(data_off, b"\0")
+
+
+@pytest.mark.parametrize("item", [
+    bytes([S.T_NONE]),  # an 8-byte list slot per byte
+    struct.pack("<BI", S.T_LIST, 0),  # an empty list object per 5 bytes
+    struct.pack("<BI", S.T_DICT, 0),  # an empty dict per 5 bytes
+    struct.pack("<BI", S.T_STR, 1) + b"a",  # a one-character str per 6 bytes
+    struct.pack("<Bd", S.T_FLOAT, 0.5),
+], ids=["none", "list", "dict", "str", "float"])
+def test_value_tree_memory_stays_within_16x_the_buffer(item):
+    import gc
+
+    buf = _tree_bomb(item, 2_000_000)
+    gc.collect()
+    before = _rss()
+    out = S.decode_state(buf)
+    grown = _rss() - before
+    assert len(out) == 2_000_000
+    assert grown < 16 * len(buf) + 2**20, (grown / len(buf))
