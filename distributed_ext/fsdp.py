@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from distributed_ext import runtime
+
 __all__ = ["fsdp2_wrap", "is_fsdp2_model", "resolve_decoder_layers"]
 
 # Attribute paths of the decoder-layer ModuleList, most specific first. A VLM's language model
@@ -132,14 +134,40 @@ def _dominant_dtype(model: nn.Module) -> torch.dtype | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def _off_dtype_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``(name, param)`` of every parameter whose dtype differs from the model's dominant one.
-
-    The dominant dtype is the one holding the most elements. FSDP2 rejects a shard group that
-    mixes dtypes, so fsdp2_wrap keeps these out of the wrap (an fp32 router in a bf16 MoE).
-    """
+def _off_dtype_names(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, param)`` of every parameter whose dtype differs from the model's dominant one."""
     dominant = _dominant_dtype(model)
     return [(n, p) for n, p in model.named_parameters() if p.dtype != dominant]
+
+
+def _off_dtype_params(model: nn.Module) -> set[nn.Parameter]:
+    """Params whose dtype differs from the model's dominant (by element count) param dtype.
+
+    FSDP2 needs one dtype per shard group, but checkpoints routinely keep a few parameters in
+    fp32 (an MoE router in a bf16 model); pass these to ``fully_shard(ignored_params=...)``.
+    As ModelOpt's function of this name: returns the set of parameters (empty when the model
+    has one dtype) and warns once per call, on the master rank only, with a UserWarning that
+    says "mixed parameter dtypes" and names the first few.
+    """
+    off = _off_dtype_names(model)
+    if not off:
+        return set()
+    if runtime.is_master():
+        counts: dict[torch.dtype, int] = {}
+        for p in model.parameters():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        dominant = _dominant_dtype(model)
+        off_numel = sum(n for d, n in counts.items() if d != dominant)
+        names = sorted(n for n, _p in off)
+        warnings.warn(
+            f"Model has mixed parameter dtypes {sorted(str(d) for d in counts)}; FSDP2 needs one "
+            f"dtype per shard group, so {len(names)} non-{dominant} parameter(s) "
+            f"({100 * off_numel / sum(counts.values()):.2f}% of elements) stay replicated "
+            f"rather than sharded: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}",
+            UserWarning,
+            stacklevel=2,
+        )
+    return {p for _n, p in off}
 
 
 def _compute_device() -> torch.device:
@@ -187,19 +215,11 @@ def fsdp2_wrap(
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     found = resolve_decoder_layers(model, layers)
-    dominant = _dominant_dtype(model)
-    off_dtype = _off_dtype_params(model)
+    ignored = _off_dtype_params(model)  # warns once, on the master rank, naming them
     device = _compute_device()
-    if off_dtype:
-        warnings.warn(
-            f"fsdp2_wrap: {len(off_dtype)} parameter(s) whose dtype differs from the model's "
-            f"{dominant} stay replicated (FSDP2 cannot shard mixed dtypes together): "
-            + ", ".join(f"{n} ({p.dtype})" for n, p in off_dtype[:20])
-            + (" ..." if len(off_dtype) > 20 else ""),
-            stacklevel=2,
-        )
+    if ignored:
         with torch.no_grad():
-            for _name, p in off_dtype:
+            for p in ignored:
                 if p.device != device:
                     p.data = p.data.to(device)  # fully_shard does not move params it ignores
     config = getattr(model, "config", None)
@@ -210,7 +230,6 @@ def fsdp2_wrap(
         kwargs["mp_policy"] = mp_policy
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    ignored = {p for _n, p in off_dtype}
     if ignored:
         kwargs["ignored_params"] = ignored
     for layer in found:

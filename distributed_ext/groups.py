@@ -34,8 +34,11 @@ def _check_group(group: object, name: str) -> None:
 class DistributedProcessGroup:
     """A convenient wrapper around torch.distributed.ProcessGroup objects.
 
-    ``group=None`` is the default (world) group; ``-1`` means the group is not used, and then
-    :meth:`rank` and :meth:`world_size` answer -1.
+    ``group=None`` is the default (world) group; ``-1`` means the group is not used. As in
+    ModelOpt's utilities, a group is initialized only while torch.distributed is (so code that
+    guards its collectives with :meth:`is_initialized` runs in a single process too); when it
+    is not, :meth:`rank` and :meth:`world_size` answer -1 and :meth:`get_dist_syncd_obj`
+    passes the object through.
     """
 
     def __init__(self, group: dist.ProcessGroup | int | None = None) -> None:
@@ -44,8 +47,12 @@ class DistributedProcessGroup:
         self.group = group
 
     def is_initialized(self) -> bool:
-        """Check if the distributed process group is initialized (i.e. is not -1)."""
-        return self.group != _UNUSED
+        """Check if the distributed process group is initialized.
+
+        True when torch.distributed is initialized and the group is used (not -1); False in
+        a single process without a process group, whatever the group.
+        """
+        return runtime.is_initialized() and self.group != _UNUSED
 
     def rank(self) -> int:
         """Get the rank of the current process group (-1 when not used)."""
@@ -60,7 +67,8 @@ class DistributedProcessGroup:
         return runtime.size(group=self.group)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
-        return f"group: {self.group}, world_size: {self.world_size()}, rank: {self.rank()}"
+        return (f"group: {self.group}, initialized: {self.is_initialized()}, "
+                f"world size: {self.world_size()}, rank: {self.rank()}")
 
     @staticmethod
     def get_dist_syncd_obj(
@@ -79,7 +87,7 @@ class DistributedProcessGroup:
         if not isinstance(groups, list):
             groups = [groups]
         for group in groups:
-            if not group.is_initialized() or not runtime.is_initialized():
+            if not group.is_initialized():
                 continue
             obj = op(allgather(obj, group=group.group))  # type: ignore[arg-type]
         return obj

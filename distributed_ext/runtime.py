@@ -17,6 +17,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from distributed_ext import _watch
+
 __all__ = [
     "DistributedState",
     "abort",
@@ -165,12 +167,17 @@ def distributed_run(
 ) -> Iterator[DistributedState]:
     """Own the run's process group for the block, and yield this process's state.
 
-    On a distributed launch (WORLD_SIZE>1) this binds this rank's CUDA device
-    (``cuda:LOCAL_RANK``), and sets the process group up (``cpu:gloo,cuda:nccl``, so CPU and
-    CUDA collectives both work) with ``timeout`` unless the caller set one up already. It
-    yields this rank's :class:`DistributedState` on that CUDA device, and refuses any other
-    device with a ValueError. Without a launch it sets nothing up and the state is on
-    ``device``. The state's rank and size are always the live group's: rank 0 of a run of one
+    On a distributed launch (WORLD_SIZE>1) on a machine with GPUs this binds this rank's CUDA
+    device (``cuda:LOCAL_RANK``), and sets the process group up (``cpu:gloo,cuda:nccl``, so
+    CPU and CUDA collectives both work) with ``timeout`` unless the caller set one up already.
+    It yields this rank's :class:`DistributedState` on that CUDA device, and refuses any other
+    device with a ValueError. On a launch where torch sees no GPU (a CPU-only machine, or a
+    CPU build of torch) the run is a CPU one: the group is gloo, the state is on the CPU, and
+    ``device`` may be ``"cuda"`` (the default, which has nothing to bind) or ``"cpu"``. Either
+    way this rank's liveness heartbeat starts with the group (see
+    :mod:`distributed_ext._watch`), so a rank that dies is named by its peers even before
+    its first collective. Without a launch it sets nothing up and the state is on ``device``.
+    The state's rank and size are always the live group's: rank 0 of a run of one
     for a single process, and this rank's place in a group the caller set up.
 
     On exit, even if the body raises, it destroys the group the run set up: the launch's, or
@@ -180,7 +187,8 @@ def distributed_run(
 
     Args:
         timeout: The process group's timeout when this run sets it up (torch's default if None).
-        device: The device to compute on; on a launch it must be a CUDA device.
+        device: The device to compute on; on a launch it must be a CUDA device (or the CPU
+            where torch sees no GPU).
 
     Yields:
         This process's DistributedState.
@@ -188,19 +196,30 @@ def distributed_run(
     had_group = is_initialized()
     if is_distributed_launch():
         requested = torch.device(device)
-        if requested.type != "cuda":
-            raise ValueError(
-                f"distributed_run: device={str(device)!r} on a distributed launch "
-                f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')}); a launched rank computes on its "
-                "own GPU, cuda:LOCAL_RANK -- pass device='cuda' (or run without a launcher for "
-                "a CPU run)"
-            )
-        local_rank = _local_rank()
-        torch.cuda.set_device(local_rank)
-        run_device: torch.device | str = torch.device("cuda", local_rank)
+        run_device: torch.device | str
+        if torch.cuda.is_available():
+            if requested.type != "cuda":
+                raise ValueError(
+                    f"distributed_run: device={str(device)!r} on a distributed launch "
+                    f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')}) on a machine with GPUs; a "
+                    "launched rank computes on its own GPU, cuda:LOCAL_RANK -- pass "
+                    "device='cuda' (or run without a launcher for a CPU run)"
+                )
+            local_rank = _local_rank()
+            torch.cuda.set_device(local_rank)
+            run_device, pg_backend = torch.device("cuda", local_rank), "cpu:gloo,cuda:nccl"
+        else:
+            if requested.type not in ("cuda", "cpu"):
+                raise ValueError(
+                    f"distributed_run: device={str(device)!r} on a distributed launch without "
+                    "GPUs; a launched rank computes on the CPU here -- pass device='cpu' or "
+                    "leave the default"
+                )
+            run_device, pg_backend = torch.device("cpu"), "gloo"
         if not had_group:
             kwargs = {} if timeout is None else {"timeout": timeout}
-            dist.init_process_group(backend="cpu:gloo,cuda:nccl", **kwargs)
+            dist.init_process_group(backend=pg_backend, **kwargs)
+        _watch.ensure_heartbeat()
     else:
         run_device = device
     try:

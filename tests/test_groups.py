@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from harness import assert_all_ok, run_ranks
 
@@ -14,10 +15,33 @@ def test_unused_group_is_minus_one():
     assert (g.is_initialized(), g.rank(), g.world_size()) == (False, -1, -1)
 
 
-def test_default_group_in_a_single_process():
+def test_default_group_in_a_single_process_is_not_initialized_like_modelopt():
+    # ModelOpt's calibration guards torch.distributed calls with is_initialized(): in one
+    # process without a process group it must be False (rank and size -1).
     g = dx.DistributedProcessGroup()
-    assert (g.is_initialized(), g.rank(), g.world_size()) == (True, 0, 1)
+    assert (g.is_initialized(), g.rank(), g.world_size()) == (False, -1, -1)
+    assert "initialized: False" in repr(g)
     assert dx.DistributedProcessGroup.get_dist_syncd_obj(5, [g], sum) == 5
+    ps = dx.ParallelState()
+    assert not ps.data_parallel_group.is_initialized()
+
+
+def _amax_sync_guarded_as_modelopt_does():
+    """Calibration code written for ModelOpt: a data-parallel amax sync behind the guard."""
+    amax = torch.tensor([1.0, 4.0]) * (dist.get_rank() + 1) if dist.is_initialized() else \
+        torch.tensor([1.0, 4.0])
+    group = dx.ParallelState().data_parallel_group
+    if group.is_initialized():
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group.group)
+    return amax.tolist(), repr(group)
+
+
+def test_amax_sync_guard_in_one_process_and_on_ranks(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert _amax_sync_guarded_as_modelopt_does()[0] == [1.0, 4.0]  # no process group: skipped
+    values = assert_all_ok(run_ranks(_amax_sync_guarded_as_modelopt_does, 2))
+    for amax, text in values:
+        assert amax == [2.0, 8.0] and "initialized: True" in text
 
 
 @pytest.mark.parametrize("bad, exc", [(3, ValueError), (0, ValueError), ("world", TypeError)])
@@ -30,7 +54,7 @@ def test_bad_group_arguments(bad, exc):
 
 def test_parallel_state_defaults():
     ps = dx.ParallelState()
-    assert ps.data_parallel_group.is_initialized()
+    assert ps.data_parallel_group.group is None  # the world, once there is a process group
     assert not ps.tensor_parallel_group.is_initialized()
     assert not ps.expert_model_parallel_group.is_initialized()
     assert "tensor_parallel_group" in repr(ps)

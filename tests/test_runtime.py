@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import sys
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_all_ok, run_ranks
+from harness import assert_all_ok, free_port, run_command, run_ranks
 
 import distributed_ext as dx
 
@@ -84,13 +86,55 @@ def test_distributed_run_single_process(monkeypatch):
     assert not dx.is_initialized()
 
 
-def test_distributed_run_refuses_cpu_on_a_launch(monkeypatch):
+def test_distributed_run_refuses_cpu_on_a_launch_with_gpus(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     with pytest.raises(ValueError, match="cuda"):
         with dx.distributed_run(device="cpu"):
             pytest.fail("the body must not run")
     assert not dx.is_initialized()
+
+
+def test_distributed_run_refuses_other_devices_on_a_cpu_launch(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device='meta'"):
+        with dx.distributed_run(device="meta"):
+            pytest.fail("the body must not run")
+    assert not dx.is_initialized()
+
+
+_RUN_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import distributed_ext as dx
+
+with dx.distributed_run(%s) as state:
+    total = dx.all_reduce("ranks", lambda: state.rank, sum)
+    t = torch.ones(1, device=state.device)
+    dist.all_reduce(t)
+    print(f"RESULT rank={state.rank} world={state.world_size} device={state.device} "
+          f"backend={dist.get_backend()} total={total} t={t.item()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("args", ["", "device='cpu'"], ids=["default", "cpu"])
+def test_distributed_run_under_torchrun_without_gpus(tmp_path, args):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs: distributed_run binds cuda:LOCAL_RANK there")
+    script = tmp_path / "run.py"
+    script.write_text(_RUN_SCRIPT % args)
+    proc = run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(script)],
+        timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(re.findall(r"RESULT [^\n]*?t=\d\.\d", proc.stdout))
+    assert lines == [f"RESULT rank={r} world=2 device=cpu backend=gloo total=1 t=2.0"
+                     for r in range(2)], proc.stdout
 
 
 def _run_that_sets_up_a_group_in_the_body():
