@@ -45,6 +45,8 @@ __all__ = [
     "DeferredInterrupts",
     "PeerFailure",
     "ensure_heartbeat",
+    "post_failure",
+    "posted_failure",
     "run_watched",
     "wait_work",
 ]
@@ -54,6 +56,7 @@ GRACE_S = 1.0
 CHECK_EVERY_S = 0.5
 DEAD_AFTER_S = 4.0
 _KEY = "distributed_ext/alive/"
+_FAILED_KEY = "distributed_ext/failed"
 
 _atexit_registered = False
 
@@ -80,6 +83,40 @@ def ensure_heartbeat() -> None:
         _atexit_registered = True
 
 
+def post_failure(rank: int, reason: str) -> None:
+    """Tells every rank, through the store, that ``rank`` died or failed (the first post wins).
+
+    A rank whose own transfer then breaks -- because the rank that saw the death raised and
+    left -- names the root cause from this post instead of the peer that merely left after it.
+    Read only once a transfer has already failed (:func:`posted_failure`), so a post left in a
+    long-lived store can at worst rename a failure, never cause one.
+    """
+    store = _default_store()
+    if store is None:
+        return
+    me = dist.get_rank() if dist.is_initialized() else -1
+    value = f"{rank}:{me}:{reason[:300]}"
+    try:
+        store.compare_set(_FAILED_KEY, "", value)
+    except Exception:  # noqa: BLE001 - best effort: the caller raises either way
+        pass
+
+
+def posted_failure() -> tuple[int, int, str] | None:
+    """``(dead rank, reporting rank, reason)`` posted by :func:`post_failure`, if any."""
+    store = _default_store()
+    if store is None:
+        return None
+    try:
+        if not store.check([_FAILED_KEY]):
+            return None
+        raw = store.get(_FAILED_KEY).decode("utf-8", "replace")
+        rank, reporter, reason = raw.split(":", 2)
+        return int(rank), int(reporter), reason
+    except Exception:  # noqa: BLE001 - a store that is gone, or a value not ours
+        return None
+
+
 class PeerFailure(RuntimeError):
     """A transfer with global rank ``rank`` failed: the transport lost that peer."""
 
@@ -102,7 +139,7 @@ class _Liveness:
         if self.store is None:
             return []
         now = time.monotonic()
-        out = []
+        out: list[tuple[float, int]] = []
         for r in self.ranks:
             key = _KEY + str(r)
             try:
@@ -117,8 +154,10 @@ class _Liveness:
             if last is None or last[0] != value:
                 self.seen[r] = (value, now)
             elif now - last[1] >= DEAD_AFTER_S:
-                out.append(r)
-        return out
+                out.append((last[1], r))
+        # The one silent longest first; a rank a peer already named dead before all others.
+        posted = posted_failure() if out else None
+        return [r for _t, r in sorted(out, key=lambda e: (posted is None or e[1] != posted[0], e))]
 
 
 class DeferredInterrupts:
@@ -241,6 +280,7 @@ def run_watched(
                     liveness = _Liveness(ranks)
                 dead = liveness.dead()
                 if dead:
+                    post_failure(dead[0], "its heartbeat stopped")
                     raise RuntimeError(_dead_message(what, dead, " while this rank waited for it"))
         except (KeyboardInterrupt, SystemExit) as exc:
             if interrupt is not None:
@@ -256,9 +296,19 @@ def run_watched(
             deferral.pending = interrupt
         if isinstance(worker.error, PeerFailure):
             raise worker.error
-        # A transport error names an address at best; find the rank whose death caused it.
+        # A transport error names an address at best; find the rank whose death caused it:
+        # one a peer already named, else one whose heartbeat stops.
+        posted = posted_failure()
+        if posted is not None:
+            dead_rank, reporter, reason = posted
+            raise RuntimeError(
+                f"{what}: rank {dead_rank} died or failed (rank {reporter} saw: {reason}); "
+                f"the process group can no longer be used -- the job must stop (here the "
+                f"transport said: {worker.error})"
+            ) from worker.error
         dead = _attribute(liveness or _Liveness(ranks))
         if dead:
+            post_failure(dead[0], "its heartbeat stopped")
             raise RuntimeError(_dead_message(what, dead, "") + f" (the transport said: "
                                f"{worker.error})") from worker.error
         raise worker.error
