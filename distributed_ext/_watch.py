@@ -246,6 +246,20 @@ def run_watched(
     worker = _Worker(body)
     thread = threading.Thread(target=worker.run, name=f"distributed_ext {what}", daemon=True)
     thread.start()
+    error, callback_error = _await(worker.events, lambda: worker.error, ranks, what, on_progress)
+    if error is not None:
+        _raise_worker_error(error, None, ranks, what)
+    return callback_error
+
+
+def _await(events: queue.SimpleQueue, error_of: Callable[[], BaseException | None] | None,
+           ranks: list[int], what: str, on_progress: Callable[[int], None] | None
+           ) -> tuple[BaseException | None, BaseException | None]:
+    """Waits for ``_DONE`` on ``events`` while watching ``ranks``; see :func:`run_watched`.
+
+    Returns:
+        ``(the worker's error, the progress callback's first error)``.
+    """
     deferral = DeferredInterrupts.current()
     interrupt: BaseException | None = None
     callback_error: BaseException | None = None
@@ -256,7 +270,7 @@ def run_watched(
     while not finished:
         try:
             try:
-                event = worker.events.get(timeout=CHECK_EVERY_S)
+                event = events.get(timeout=CHECK_EVERY_S)
             except queue.Empty:
                 event = None
             while event is not None:
@@ -268,7 +282,7 @@ def run_watched(
                     except BaseException as exc:  # noqa: BLE001 - carried, never escapes mid-transfer
                         callback_error = exc
                 try:
-                    event = worker.events.get_nowait()
+                    event = events.get_nowait()
                 except queue.Empty:
                     event = None
             if finished:
@@ -291,33 +305,35 @@ def run_watched(
                 "transfers first so that no peer is left waiting (interrupt again to leave "
                 "now)\n"
             )
-    if worker.error is not None:
-        if interrupt is not None and deferral is not None and deferral.pending is None:
-            deferral.pending = interrupt
-        if isinstance(worker.error, PeerFailure):
-            raise worker.error
-        # A transport error names an address at best; find the rank whose death caused it:
-        # one a peer already named, else one whose heartbeat stops.
-        posted = posted_failure()
-        if posted is not None:
-            dead_rank, reporter, reason = posted
-            raise RuntimeError(
-                f"{what}: rank {dead_rank} died or failed (rank {reporter} saw: {reason}); "
-                f"the process group can no longer be used -- the job must stop (here the "
-                f"transport said: {worker.error})"
-            ) from worker.error
-        dead = _attribute(liveness or _Liveness(ranks))
-        if dead:
-            post_failure(dead[0], "its heartbeat stopped")
-            raise RuntimeError(_dead_message(what, dead, "") + f" (the transport said: "
-                               f"{worker.error})") from worker.error
-        raise worker.error
     if interrupt is not None:
         if deferral is None:
             raise interrupt
         if deferral.pending is None:
             deferral.pending = interrupt
-    return callback_error
+    return (error_of() if error_of is not None else None), callback_error
+
+
+def _raise_worker_error(error: BaseException, liveness: _Liveness | None, ranks: list[int],
+                        what: str) -> None:
+    """Raises ``error``, naming the dead rank behind a transport error where one is found."""
+    if isinstance(error, PeerFailure) or not isinstance(error, Exception):
+        raise error
+    # A transport error names an address at best; find the rank whose death caused it:
+    # one a peer already named, else one whose heartbeat stops.
+    posted = posted_failure()
+    if posted is not None:
+        dead_rank, reporter, reason = posted
+        raise RuntimeError(
+            f"{what}: rank {dead_rank} died or failed (rank {reporter} saw: {reason}); "
+            f"the process group can no longer be used -- the job must stop (here the "
+            f"transport said: {error})"
+        ) from error
+    dead = _attribute(liveness or _Liveness(ranks))
+    if dead:
+        post_failure(dead[0], "its heartbeat stopped")
+        raise RuntimeError(_dead_message(what, dead, "") + f" (the transport said: "
+                           f"{error})") from error
+    raise error
 
 
 def _dead_message(what: str, dead: list[int], when: str) -> str:
@@ -343,6 +359,25 @@ def wait_work(work: Any, ranks: list[int], what: str, device: torch.device | Non
 
     On a CUDA device the wait also synchronizes, so that the result can be read on the host.
     """
+    if device is None or device.type != "cuda":
+        # gloo collectives complete a future from gloo's own thread: wait on that, with no
+        # thread of ours to start (a status round takes a few hundred microseconds).
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            future = None
+        if future is not None:
+            events: queue.SimpleQueue = queue.SimpleQueue()
+            future.add_done_callback(lambda _f: events.put(_DONE))
+            error = _await(events, None, ranks, what, None)[0]
+            if error is None:
+                try:
+                    work.wait()  # complete by now: returns at once, or raises its error
+                except BaseException as exc:  # noqa: BLE001 - named below where possible
+                    error = exc
+            if error is not None:
+                _raise_worker_error(error, None, ranks, what)
+            return
 
     def body(_worker: Any) -> None:
         work.wait()

@@ -466,3 +466,34 @@ def test_allreduce_min_max_are_element_wise_on_tensors():
         assert v["max"] == [3.0, 5.0, 1.0]
         assert v["scalar_max"] == 2
         assert "reduction='mean'" in v["bad"] and "'max'" in v["bad"]
+
+
+def _killed_inside_fn(which):
+    import signal
+    import time
+
+    dx.all_reduce("warm", lambda: 1, sum)  # every rank has beaten at least once
+
+    def fn():
+        if dist.get_rank() == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return 1
+
+    t0 = time.monotonic()
+    if which == "all_reduce":
+        result = _catching(lambda: dx.all_reduce("x", fn, sum))
+    else:
+        result = _catching(lambda: dx.broadcast_from("x", fn, rank=1))
+    return result, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("which", ["all_reduce", "broadcast_from"])
+def test_a_rank_killed_inside_fn_is_named_within_10_s_whatever_the_group_timeout(which):
+    res = run_ranks(_killed_inside_fn, 3, which, pg_timeout=300, timeout=120)
+    assert res[1].exit_code == -9
+    for r in (0, 2):
+        (kind, *rest), seconds = res[r].value
+        assert kind == "raised" and rest[0] == "RuntimeError", res[r].value
+        assert "rank 1 died" in rest[1], rest[1]
+        assert seconds < 10.5, seconds  # 0.5 s in fn, then the death is named within 10 s
