@@ -221,12 +221,17 @@ def gather_bytes(
 
     Collective: every rank of ``group`` calls it, with the same ``dst`` and ``chunk_bytes``
     (ranks that disagree raise ValueError, every one of them). Any failure on one rank -- a bad
-    argument, an allocation that fails -- makes every rank raise (that rank its own error, the
-    others a RuntimeError naming it), and the group stays usable.
+    argument, an allocation that fails, a progress callback that raises on dst, a Ctrl-C that
+    arrives mid-transfer (the posted transfers finish first) -- makes every rank raise (that
+    rank its own error, the others a RuntimeError naming it), and the group stays usable. A
+    rank that dies is named by every survivor within seconds (RuntimeError; measured under
+    10 s), whatever the group's timeout; the group is unusable after that.
 
     Memory at peak:
         gloo: ``dst`` holds the outputs (the sum of all sizes) and nothing else; a sender
         holds nothing beyond its own ``data`` (chunks are sent from views of it).
+        Both: one waiting thread per call (its stack; it references the transfer's buffers
+        until every posted work has completed).
         NCCL: ``dst`` holds the outputs, ``2 x world x chunk_bytes`` of device memory and as
         much pinned host staging; a sender ``2 x chunk_bytes`` of each. The pinned staging is
         kept in a bounded cache for the next call (pinning costs ~0.5 s/GiB); device chunks
