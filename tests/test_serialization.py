@@ -472,6 +472,7 @@ def test_a_stream_that_takes_nothing_raises():
 
 def test_two_writers_of_one_path_never_mix(tmp_path, monkeypatch):
     import threading
+    import time
 
     path = tmp_path / "state.dxst"
     states = [{"who": torch.full((2_000_000,), float(k))} for k in range(2)]
@@ -479,9 +480,18 @@ def test_two_writers_of_one_path_never_mix(tmp_path, monkeypatch):
     # Both writers in one process: the same pid, as two containers' processes may have.
     real = S._write_chunks
 
+    class Interleaved:  # each write yields to the other writer, so the two always interleave
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            n = self.f.write(b)
+            time.sleep(0.0005)
+            return n
+
     def slow_write(encoded, f, chunk_bytes):
         barrier.wait(10)
-        real(encoded, f, 2**16)
+        real(encoded, Interleaved(f), 2**16)
 
     monkeypatch.setattr(S, "_write_chunks", slow_write)
     threads = [threading.Thread(target=S.write_state, args=(s, path)) for s in states]
