@@ -115,13 +115,16 @@ def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
     _C.copy_bytes(dst_ptr, src_ptr, nbytes)
 
 
-def empty_bytearray(nbytes: int) -> bytearray:
+def empty_bytearray(nbytes: int, prefault: bool = False) -> bytearray:
     """A bytearray of ``nbytes`` whose contents are uninitialized; fill every byte before use.
+
+    With ``prefault``, its pages are faulted in now by several threads (the GIL released), so
+    that a receive writing into it later does not stall on page faults.
 
     Raises MemoryError if it cannot be allocated.
     """
     try:
-        return _C.empty_bytearray(nbytes)
+        return _C.empty_bytearray(nbytes, prefault)
     except MemoryError:
         raise MemoryError(f"cannot allocate a bytearray of {nbytes} bytes") from None
 
