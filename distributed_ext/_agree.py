@@ -11,7 +11,9 @@ and the group stays usable afterwards.
 
 The record is plain bytes (struct-packed), never pickle, so the same machinery serves the
 transports that promise never to unpickle (gather_bytes). Every wait here goes through
-:mod:`distributed_ext._watch`, so a dead peer is named instead of waited for.
+:mod:`distributed_ext._watch`, so a dead peer is named instead of waited for. This module
+holds the protocol (records, status rounds, raising alike) and the group context only; the
+data rounds belong to the collectives that move data.
 """
 
 from __future__ import annotations
@@ -171,17 +173,27 @@ class GroupContext:
             return None
 
 
-def resolve_collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """CPU tensors where the group has gloo (incl. ``cpu:gloo,cuda:nccl``), else the current GPU."""
+def resolve_backends(group: dist.ProcessGroup | None) -> tuple[bool, bool]:
+    """``(has a CPU backend, has NCCL)`` for ``group``, read once from its backend string.
+
+    ``gloo`` -> (True, False); ``nccl`` -> (False, True); ``cpu:gloo,cuda:nccl`` -> (True,
+    True); anything else (mpi, ucc, a custom backend) counts as a CPU one.
+    """
     name = str(dist.get_backend(group)).lower()
-    if "gloo" in name or "mpi" in name or "nccl" not in name:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    has_nccl = "nccl" in name and torch.cuda.is_available()
+    has_cpu = "gloo" in name or "mpi" in name or "nccl" not in name
+    return has_cpu, has_nccl
+
+
+def resolve_collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """CPU tensors where the group has a CPU backend (incl. ``cpu:gloo,cuda:nccl``), else the GPU."""
+    has_cpu, _ = resolve_backends(group)
+    return torch.device("cpu") if has_cpu else torch.device("cuda", torch.cuda.current_device())
 
 
 def group_has_nccl(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` can move CUDA tensors with NCCL (``nccl`` or ``cpu:gloo,cuda:nccl``)."""
-    return "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available()
+    return resolve_backends(group)[1]
 
 
 def resolve_group(group: dist.ProcessGroup | None, what: str) -> GroupContext:
@@ -255,32 +267,3 @@ def raise_first_failure(what: str, statuses: list[Status], ctx: GroupContext,
         raise own.exc
     first_rank, first = failed[0]
     raise SystemExit(first.code)
-
-
-def allgather_payloads(payload: bytes, sizes: list[int], ctx: GroupContext,
-                       what: str = "distributed_ext") -> list[bytes]:
-    """All-gathers each rank's ``payload`` (``sizes`` agreed beforehand), padded to the largest."""
-    longest = max(sizes) if sizes else 0
-    if longest == 0:
-        return [b"" for _ in sizes]
-    buf = bytearray(longest)
-    buf[: len(payload)] = payload
-    mine = torch.frombuffer(buf, dtype=torch.uint8).to(ctx.device)
-    out = [torch.empty_like(mine) for _ in sizes]
-    work = dist.all_gather(out, mine, group=ctx.group, async_op=True)
-    _watch.wait_work(work, ctx.ranks, f"{what} (data round)", ctx.device)
-    return [bytes(tensor_bytes(t)[:n]) for t, n in zip(out, sizes)]
-
-
-def broadcast_payload(payload: bytes | None, nbytes: int, src: int, ctx: GroupContext,
-                      what: str = "distributed_ext") -> bytes:
-    """Broadcasts ``nbytes`` of ``payload`` from global rank ``src`` (None elsewhere)."""
-    if nbytes == 0:
-        return b""
-    if payload is not None:
-        t = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(ctx.device)
-    else:
-        t = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
-    work = dist.broadcast(t, src=src, group=ctx.group, async_op=True)
-    _watch.wait_work(work, ctx.ranks, f"{what} (data round)", ctx.device)
-    return bytes(tensor_bytes(t))

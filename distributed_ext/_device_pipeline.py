@@ -21,13 +21,13 @@ at a time per process, as collectives on one group are anyway.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from distributed_ext import _agree, _native
-from distributed_ext._source import ByteSource
+from distributed_ext._source import ByteSource, byte_tensor
 
 __all__ = ["DeviceGather", "release_staging", "roundtrip_through_device"]
 
@@ -75,8 +75,6 @@ def roundtrip_through_device(data: bytes, chunk: int, device: torch.device | Non
     out = _native.empty_bytearray(len(data))
     if not data:
         return out
-    from distributed_ext.gather import byte_tensor
-
     source = ByteSource([byte_tensor(memoryview(data))])
     dst = byte_tensor(out)
     c = min(chunk, len(data))
@@ -107,6 +105,7 @@ class DeviceGather:
         # Never allocate a chunk larger than the largest payload: same answer on every rank.
         self.chunk = max(1, min(chunk, max(sent, default=0)))
         self.device = ctx.device  # the current GPU (gather_source's data context)
+        self.on_progress: Callable[[int], None] | None = None
         self.stream = torch.cuda.Stream(self.device)
         self.steps = max((_steps(n, self.chunk) for n in sent), default=0)
         me = ctx.rank
@@ -117,7 +116,10 @@ class DeviceGather:
         self.pinned = pinned_staging(2 * rows * self.chunk).view(2, rows, self.chunk)
         self.dev = torch.empty((2, rows, self.chunk), dtype=torch.uint8, device=self.device)
 
-    def run(self, source: ByteSource, outputs: list[bytearray] | None) -> None:
+    def run(self, source: ByteSource, outputs: list[bytearray] | None,
+            on_progress: Callable[[int], None] | None = None) -> None:
+        """Moves the data; on dst, ``on_progress(bytes received from the others)`` per step."""
+        self.on_progress = on_progress
         if self.ctx.rank == self.dst_rank:
             assert outputs is not None
             self._receive(source, outputs)
@@ -149,12 +151,10 @@ class DeviceGather:
             sent[slot].record(current)
 
     def _receive(self, source: ByteSource, outputs: list[bytearray]) -> None:
-        from distributed_ext.gather import byte_tensor
-
         me = self.ctx.rank
         if source.nbytes:  # dst's own bytes never touch the device
             source.pack(0, byte_tensor(outputs[me]))
-        self.done = source.nbytes
+        self.done = 0  # progress counts the bytes from the other ranks
         out_ptrs = [byte_tensor(outputs[r]).data_ptr() if self.sizes[r] else 0
                     for r in self.senders]
         d2h = [torch.cuda.Event(), torch.cuda.Event()]
@@ -190,10 +190,9 @@ class DeviceGather:
 
     def _unpack(self, item: tuple[int, list[tuple[int, int, int]]],
                 d2h: list[torch.cuda.Event]) -> None:
-        from distributed_ext.gather import _report
-
         slot, table = item
         d2h[slot].synchronize()
         _native.unpack_segments(self.pinned.view(-1), table)
         self.done += sum(n for _p, _o, n in table)
-        _report(self.done, sum(self.sizes))
+        if self.on_progress is not None:
+            self.on_progress(self.done)

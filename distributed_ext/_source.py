@@ -10,11 +10,22 @@ transfer that reads them has completed.
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Sequence
 
 import torch
 
 from distributed_ext import _native
+
+
+def byte_tensor(view: memoryview | bytearray) -> torch.Tensor:
+    """A uint8 CPU tensor viewing ``view``'s memory (no copy); the view must outlive it."""
+    if len(view) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # Read-only buffers (bytes) are only ever read through this tensor (sent).
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
 
 
 class ByteSource:

@@ -267,7 +267,6 @@ def run_workloads(args: argparse.Namespace, rank: int, world: int) -> list[Resul
     import torch.distributed as dist
 
     import distributed_ext as dx
-    from distributed_ext.gather import report_progress
 
     dst = 0
     # A bar is for a person at a terminal; in a log it would be noise.
@@ -292,13 +291,13 @@ def run_workloads(args: argparse.Namespace, rank: int, world: int) -> list[Resul
                 with PeakRSS() as rss:
                     start = time.perf_counter()
                     if method == "distributed_ext":
-                        with report_progress(bar):
-                            if workload == "bytes":
-                                out = dx.gather_bytes(data, dst)
-                                ok = out is None or len(out[rank]) == len(data)
-                            else:
-                                got = [len(s) for s in dx.gather_state_dicts(data, dst)]
-                                ok = rank != dst or got == [len(data)] * world
+                        if workload == "bytes":
+                            out = dx.gather_bytes(data, dst, progress=bar)
+                            ok = out is None or len(out[rank]) == len(data)
+                        else:
+                            got = [len(s) for s in dx.gather_state_dicts(data, dst,
+                                                                          progress=bar)]
+                            ok = rank != dst or got == [len(data)] * world
                     else:
                         if show_progress:
                             sys.stderr.write(f"  {label:<28} (torch: no progress to show)\r")

@@ -71,6 +71,38 @@ def _run_and_pickle(fn: Callable[[], _V], label: str) -> tuple[_agree.Status, _V
     return _agree.Status(label=label, fields=(len(payload),)), value, payload
 
 
+# -- the data rounds (after every rank's status is agreed) ---------------------------------
+
+
+def _allgather_payloads(payload: bytes, sizes: list[int], ctx: _agree.GroupContext,
+                       what: str = "distributed_ext") -> list[bytes]:
+    """All-gathers each rank's ``payload`` (``sizes`` agreed beforehand), padded to the largest."""
+    longest = max(sizes) if sizes else 0
+    if longest == 0:
+        return [b"" for _ in sizes]
+    buf = bytearray(longest)
+    buf[: len(payload)] = payload
+    mine = torch.frombuffer(buf, dtype=torch.uint8).to(ctx.device)
+    out = [torch.empty_like(mine) for _ in sizes]
+    work = dist.all_gather(out, mine, group=ctx.group, async_op=True)
+    _watch.wait_work(work, ctx.ranks, f"{what} (data round)", ctx.device)
+    return [bytes(_agree.tensor_bytes(t)[:n]) for t, n in zip(out, sizes)]
+
+
+def _broadcast_payload(payload: bytes | None, nbytes: int, src: int, ctx: _agree.GroupContext,
+                      what: str = "distributed_ext") -> bytes:
+    """Broadcasts ``nbytes`` of ``payload`` from global rank ``src`` (None elsewhere)."""
+    if nbytes == 0:
+        return b""
+    if payload is not None:
+        t = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(ctx.device)
+    else:
+        t = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+    work = dist.broadcast(t, src=src, group=ctx.group, async_op=True)
+    _watch.wait_work(work, ctx.ranks, f"{what} (data round)", ctx.device)
+    return bytes(_agree.tensor_bytes(t))
+
+
 def all_reduce(
     label: str,
     fn: Callable[[], _V],
@@ -123,7 +155,7 @@ def all_reduce(
                 "same label in the same order"
             )
         _agree.raise_first_failure(what, statuses, ctx, own)
-        blobs = _agree.allgather_payloads(payload, [s.fields[0] for s in statuses], ctx, what)
+        blobs = _allgather_payloads(payload, [s.fields[0] for s in statuses], ctx, what)
         values = [pickle.loads(b) for b in blobs]
     return combine(values)
 
@@ -177,7 +209,7 @@ def broadcast_from(
             if not own.ok:
                 assert own.exc is not None
                 raise own.exc
-            _agree.broadcast_payload(payload, status.fields[0], rank, ctx, what)
+            _broadcast_payload(payload, status.fields[0], rank, ctx, what)
             return value  # type: ignore[return-value]
         status = _agree.broadcast_status(None, rank, ctx, what)
         if status.kind == _agree.EXIT:
@@ -188,7 +220,7 @@ def broadcast_from(
                 f"{status.describe()}; every rank raises so that none waits in a broadcast that "
                 "rank never sends"
             )
-        blob = _agree.broadcast_payload(None, status.fields[0], rank, ctx, what)
+        blob = _broadcast_payload(None, status.fields[0], rank, ctx, what)
         if not status.same_label(_agree.Status(label=label)):
             raise RuntimeError(
                 f"broadcast_from: rank {ctx.global_rank} broadcasts label {_show(label)} but rank "

@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distributed_ext import runtime
+from distributed_ext.collectives import allgather
 
 __all__ = ["DistributedProcessGroup", "ParallelState"]
 
@@ -82,8 +83,6 @@ class DistributedProcessGroup:
         replaces ``obj`` with ``op`` of that list; unused groups (-1) pass ``obj`` through.
         Values travel pickled between ranks of one job (see :func:`allgather`).
         """
-        from distributed_ext.collectives import allgather
-
         if not isinstance(groups, list):
             groups = [groups]
         for group in groups:

@@ -8,6 +8,7 @@ from typing import Literal
 import torch.nn as nn
 
 from distributed_ext import runtime
+from distributed_ext.fsdp import is_fsdp2_model
 
 __all__ = ["DistributionPlan", "distribution_plan", "set_distribution_plan"]
 
@@ -130,7 +131,6 @@ def distribution_plan(model: nn.Module) -> DistributionPlan:
     plan = _recorded(model)
     if plan is not None:
         return plan
-    from distributed_ext.fsdp import is_fsdp2_model
 
     name = type(model).__name__
     if is_fsdp2_model(model):

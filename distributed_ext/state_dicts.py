@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from distributed_ext import _agree, serialization
 from distributed_ext._source import ByteSource
-from distributed_ext.gather import DEFAULT_CHUNK_BYTES, gather_source
+from distributed_ext.gather import DEFAULT_CHUNK_BYTES, ProgressCallback, gather_source
 
 __all__ = ["gather_state_dicts"]
 
@@ -38,7 +38,8 @@ def resolve_state_chunk_bytes(group: dist.ProcessGroup | None) -> int:
 
 
 def gather_state_dicts(state: dict, dst: int, group: dist.ProcessGroup | None = None, *,
-                       chunk_bytes: int | None = None) -> Iterator[dict]:
+                       chunk_bytes: int | None = None,
+                       progress: ProgressCallback | None = None) -> Iterator[dict]:
     """Gathers ``state`` from every rank of ``group`` to global rank ``dst``, loaded with ``weights_only``.
 
     Yields one rank's dict at a time on ``dst`` (in group rank order, to bound host memory)
@@ -70,6 +71,8 @@ def gather_state_dicts(state: dict, dst: int, group: dist.ProcessGroup | None = 
         chunk_bytes: Transport chunk size, as for :func:`~distributed_ext.gather_bytes` (an
             addition to the spec's signature, keyword-only); the same on every rank. None:
             16 MiB on gloo, 256 MiB on NCCL (see :func:`resolve_state_chunk_bytes`).
+        progress: As for :func:`~distributed_ext.gather_bytes` (dst only, encoded bytes
+            received from the other ranks); keyword-only.
 
     Returns:
         On ``dst``, an iterator of the states in group rank order; elsewhere an empty one.
@@ -86,7 +89,8 @@ def gather_state_dicts(state: dict, dst: int, group: dist.ProcessGroup | None = 
 
     if chunk_bytes is None:
         chunk_bytes = resolve_state_chunk_bytes(group)
-    buffers = gather_source(resolve_source, dst, group, chunk_bytes, "gather_state_dicts")
+    buffers = gather_source(resolve_source, dst, group, chunk_bytes, "gather_state_dicts",
+                            progress)
     holder.clear()
     if buffers is None:
         return iter(())
