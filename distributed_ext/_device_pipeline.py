@@ -13,10 +13,10 @@ a slot after the work that last read it.
 
 Memory: a sender holds ``2 x chunk`` device bytes and ``2 x chunk`` pinned bytes; dst holds
 ``2 x (world-1) x chunk`` of each. Device chunks are ordinary torch allocations, returned to
-torch's caching allocator when the call ends. Pinned staging is cached in this module (one
-buffer, the largest asked for so far) because pinning costs ~0.5 s per GiB; call
-:func:`release_staging` to free it. The cache is per process and not thread-safe: one gather
-at a time per process, as collectives on one group are anyway.
+torch's caching allocator when the call ends. Pinned staging is leased from
+:mod:`distributed_ext._staging` (its one cached buffer is reused across calls, because pinning
+costs ~0.5 s per GiB; ``_staging.release_staging()`` frees it) and returned when the call
+ends.
 """
 
 from __future__ import annotations
@@ -26,28 +26,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from distributed_ext import _agree, _native
+from distributed_ext import _agree, _native, _staging
 from distributed_ext._source import ByteSource, byte_tensor
 
-__all__ = ["DeviceGather", "release_staging", "roundtrip_through_device"]
-
-_pinned: torch.Tensor | None = None
-
-
-def pinned_staging(nbytes: int) -> torch.Tensor:
-    """A pinned uint8 buffer of ``nbytes`` from the cache (grown, never per-call re-pinned)."""
-    global _pinned
-    if _pinned is None or _pinned.numel() < nbytes:
-        _pinned = None  # free the smaller one first
-        _pinned = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-    return _pinned[:nbytes]
-
-
-def release_staging() -> None:
-    """Frees the cached pinned staging buffer."""
-    global _pinned
-    _pinned = None
-
+__all__ = ["DeviceGather", "roundtrip_through_device"]
 
 def _steps(nbytes: int, chunk: int) -> int:
     return -(-nbytes // chunk)
@@ -78,16 +60,16 @@ def roundtrip_through_device(data: bytes, chunk: int, device: torch.device | Non
     source = ByteSource([byte_tensor(memoryview(data))])
     dst = byte_tensor(out)
     c = min(chunk, len(data))
-    pinned_in = torch.empty(c, dtype=torch.uint8, pin_memory=True)
-    pinned_out = torch.empty(c, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(c, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)
-    for s in range(_steps(len(data), c)):
-        start, n = s * c, min(c, len(data) - s * c)
-        stage_to_device(source, start, n, pinned_in, dev, stream)
-        stage_to_host(dev, pinned_out, n, stream)
-        stream.synchronize()
-        _native.copy_bytes(dst.data_ptr() + start, pinned_out.data_ptr(), n)
+    with _staging.acquire(2 * c) as pinned:
+        pinned_in, pinned_out = pinned[:c], pinned[c:]
+        for s in range(_steps(len(data), c)):
+            start, n = s * c, min(c, len(data) - s * c)
+            stage_to_device(source, start, n, pinned_in, dev, stream)
+            stage_to_host(dev, pinned_out, n, stream)
+            stream.synchronize()
+            _native.copy_bytes(dst.data_ptr() + start, pinned_out.data_ptr(), n)
     return out
 
 
@@ -113,20 +95,25 @@ class DeviceGather:
             rows = len(self.senders)
         else:
             rows = 1 if self.sizes[me] else 0
-        self.pinned = pinned_staging(2 * rows * self.chunk).view(2, rows, self.chunk)
+        self.lease = _staging.acquire(2 * rows * self.chunk)  # released when run() ends
+        self.pinned = self.lease.tensor.view(2, rows, self.chunk)
         self.dev = torch.empty((2, rows, self.chunk), dtype=torch.uint8, device=self.device)
 
     def run(self, source: ByteSource, outputs: list[bytearray] | None,
             on_progress: Callable[[int], None] | None = None) -> None:
         """Moves the data; on dst, ``on_progress(bytes received from the others)`` per step."""
         self.on_progress = on_progress
-        if self.ctx.rank == self.dst_rank:
-            assert outputs is not None
-            self._receive(source, outputs)
-        else:
-            self._send(source)
-        torch.cuda.current_stream(self.device).synchronize()
-        self.stream.synchronize()
+        try:
+            if self.ctx.rank == self.dst_rank:
+                assert outputs is not None
+                self._receive(source, outputs)
+            else:
+                self._send(source)
+        finally:
+            # No copy may still read or write the staging when its lease ends.
+            torch.cuda.current_stream(self.device).synchronize()
+            self.stream.synchronize()
+            self.lease.release()
 
     def _send(self, source: ByteSource) -> None:
         nbytes = source.nbytes

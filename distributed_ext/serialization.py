@@ -29,12 +29,14 @@ import struct
 import sys
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
 
 from distributed_ext import _native
+from distributed_ext._device_spans import spans_to_host
 from distributed_ext._source import ByteSource
 
 __all__ = [
@@ -259,84 +261,6 @@ def _resolve_bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-_DEVICE_STAGE_BYTES = 256 * 2**20
-_PIECE_BYTES = 2**20
-
-
-def _spans_to_host(spans: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CUDA byte spans -> views of one pinned host buffer per device.
-
-    Small spans are packed on the device by one kernel launch per staging chunk (not one copy
-    each), then each chunk crosses with one D2H copy; a span larger than the staging chunk
-    crosses on its own. Peak device memory: one staging chunk (256 MiB at most). Host: a
-    pinned buffer of the spans' total size (pinning costs ~0.5 s/GiB). Everything runs on the
-    current stream, after the work that produced the tensors, and is synchronized on return.
-    Without the CUDA half of the compiled core, each span is copied with ``.to("cpu")``.
-    """
-    if not _native.built_with_cuda():
-        return [s.to("cpu") for s in spans]
-    out: dict[int, torch.Tensor] = {}
-    by_device: dict[torch.device, list[int]] = {}
-    for i, s in enumerate(spans):
-        by_device.setdefault(s.device, []).append(i)
-    for device, members in by_device.items():
-        with torch.cuda.device(device):
-            out.update(_DeviceStager(spans, members, device).run())
-    return [out[i] for i in range(len(spans))]
-
-
-class _DeviceStager:
-    """Moves ``spans[i]`` for ``i`` in ``members`` (all on ``device``) to pinned host memory."""
-
-    def __init__(self, spans: list[torch.Tensor], members: list[int], device: torch.device):
-        self.spans, self.members, self.device = spans, members, device
-        self.stream = torch.cuda.current_stream(device)
-        self.offsets: dict[int, int] = {}
-        total = 0
-        for i in members:
-            self.offsets[i] = total
-            total = _align(total + spans[i].numel())
-        self.host = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
-        self.stage = torch.empty(min(total, _DEVICE_STAGE_BYTES), dtype=torch.uint8,
-                                 device=device)
-        self.group: list[int] = []
-
-    def run(self) -> dict[int, torch.Tensor]:
-        for i in self.members:
-            n = self.spans[i].numel()
-            if n > self.stage.numel():  # large: crosses on its own, no packing needed
-                self.flush()
-                _native.copy_async(self.host.data_ptr() + self.offsets[i],
-                                   self.spans[i].data_ptr(), n, self.stream.cuda_stream)
-                continue
-            if self.group and self.offsets[i] + n - self.offsets[self.group[0]] > self.stage.numel():
-                self.flush()
-            self.group.append(i)
-        self.flush()
-        self.stream.synchronize()
-        return {i: self.host[self.offsets[i] : self.offsets[i] + self.spans[i].numel()]
-                for i in self.members}
-
-    def flush(self) -> None:
-        if not self.group:
-            return
-        base = self.offsets[self.group[0]]
-        rows = []
-        for i in self.group:
-            src, n = self.spans[i].data_ptr(), self.spans[i].numel()
-            for done in range(0, n, _PIECE_BYTES):
-                rows.append((src + done, self.stage.data_ptr() + self.offsets[i] - base + done,
-                             min(_PIECE_BYTES, n - done)))
-        table = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        _native.device_pack_pieces(table, self.stream.cuda_stream)
-        last = self.group[-1]
-        length = self.offsets[last] + self.spans[last].numel() - base
-        _native.copy_async(self.host.data_ptr() + base, self.stage.data_ptr(), length,
-                           self.stream.cuda_stream)
-        self.stream.synchronize()  # the stage and the table are reused/freed after this
-        self.group.clear()
-
-
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     strides, step = [], 1
     for d in reversed(shape):
@@ -490,10 +414,12 @@ def encode_state(state: Any) -> EncodedState:
     plain = [_resolve_bits(t) for t in enc.tensors]
     storages, placement = _lay_out_storages(plain)
 
-    # Device-resident spans cross to the host together (packed on the device, few copies).
+    # Device-resident spans cross to the host together (packed on the device, few copies),
+    # into pinned staging leased until this EncodedState is dropped.
     on_device = [k for k, (seg, _n) in enumerate(storages) if seg.device.type != "cpu"]
+    leases: list[Any] = []
     if on_device:
-        hosted = _spans_to_host([storages[k][0] for k in on_device])
+        hosted, leases = spans_to_host([storages[k][0] for k in on_device])
         for k, seg in zip(on_device, hosted):
             storages[k] = (seg, storages[k][1])
 
@@ -538,7 +464,10 @@ def encode_state(state: Any) -> EncodedState:
         cursor = off + nbytes
     total = data_off + data_len
     tensor_bytes = sum(n for _s, n in storages)
-    return EncodedState(segments, total, tensor_bytes, [head, zeros, plain, enc.tensors, storages])
+    encoded = EncodedState(segments, total, tensor_bytes, [head, zeros, plain, enc.tensors, storages])
+    for lease in leases:  # the pinned segments live exactly as long as the EncodedState
+        weakref.finalize(encoded, lease.release)
+    return encoded
 
 
 def pack_encoded(encoded: EncodedState, dst: torch.Tensor, start: int = 0) -> None:
