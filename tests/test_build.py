@@ -8,9 +8,8 @@ import sys
 
 import pytest
 import torch
+from harness import REPO
 from torch.utils import cpp_extension
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _setup(env_value: str | None) -> subprocess.CompletedProcess:

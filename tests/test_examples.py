@@ -8,9 +8,8 @@ import sys
 
 import pytest
 import torch
-from harness import free_port, run_command
+from harness import REPO, free_port, run_command
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "export_shards.py")
 
 pytest.importorskip("transformers", reason="the example builds a Hugging Face model")

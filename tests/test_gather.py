@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_all_ok, run_ranks
+from harness import assert_all_ok, nccl_group_of_one, read_rss, run_ranks
 
 import distributed_ext as dx
 
@@ -258,13 +258,10 @@ def test_device_pipeline_component_byte_exact(size, chunk):
 
 
 def _nccl_world_1(path):
-    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
-    try:
+    with nccl_group_of_one(path):
         data = random.Random(3).randbytes(3 * 2**20 + 11)
         out = dx.gather_bytes(data, 0, chunk_bytes=2**20)
         return bytes(out[0]) == data and len(out) == 1
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.cuda
@@ -277,8 +274,7 @@ def _peak_rss_during_gather(size):
 
     payload = bytearray(size)
     torch.frombuffer(payload, dtype=torch.uint8).fill_(dist.get_rank() + 1)
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = read_rss()
     out = dx.gather_bytes(payload, 0, chunk_bytes=8 * 2**20)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     ok = out is None or all(o == bytes([i + 1]) * size for i, o in enumerate(out))

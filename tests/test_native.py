@@ -13,11 +13,10 @@ import time
 
 import pytest
 import torch
+from harness import REPO
 
 import distributed_ext
 from distributed_ext import _native
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _random_layout(rng: random.Random, n: int, max_len: int) -> tuple[list[bytes], list[int], int]:

@@ -3,7 +3,7 @@
 import os
 import re
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import REPO
 
 
 def _read(*parts):

@@ -12,6 +12,7 @@ import struct
 
 import pytest
 import torch
+from harness import read_rss
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -512,9 +513,7 @@ def test_written_file_mode_follows_the_umask(tmp_path):
     assert (os.stat(path).st_mode & 0o777) == (0o666 & ~umask)
 
 
-def _rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+_rss = read_rss
 
 
 def _many_scalar_records(n):

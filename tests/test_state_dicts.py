@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import collections
 import gc
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_all_ok, run_ranks
+from harness import assert_all_ok, nccl_group_of_one, read_rss, run_ranks
 
 import distributed_ext as dx
 
@@ -105,9 +104,7 @@ def test_unsupported_value_raises_on_every_rank():
     assert values[0][1] == [1, 1, 1]
 
 
-def _current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+_current_rss = read_rss
 
 
 def _buffers_freed_when_states_dropped():
@@ -144,8 +141,7 @@ def _rss_bounded():
     me = dist.get_rank()
     n = 32 * 2**20  # 128 MiB of float32 per rank
     state = {f"w{i}": torch.full((n // 8,), float(me + i)) for i in range(8)}
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = read_rss()
     it = dx.gather_state_dicts(state, 0, chunk_bytes=8 * 2**20)
     peak_gather = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     sums = [float(sum(t[0].item() for t in s.values())) for s in it]
@@ -172,13 +168,10 @@ def test_single_process():
 
 
 def _nccl_world_1(path):
-    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
-    try:
+    with nccl_group_of_one(path):
         state = {"w": torch.randn(300, 300, device="cuda"), "b": torch.arange(3)}
         (out,) = list(dx.gather_state_dicts(state, 0))
         return torch.equal(out["w"], state["w"].cpu()) and torch.equal(out["b"], state["b"])
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.cuda
