@@ -154,6 +154,7 @@ def run_local(
     capture_output: bool = True,
     stop_on_sigint: bool = False,
     preload: Sequence[str] = PRELOAD,
+    on_start: Callable[[list[int]], None] | None = None,
 ) -> list[RankOutcome]:
     """Runs ``fn(*args)`` in ``world`` local ranks on gloo; see the module docstring.
 
@@ -170,6 +171,7 @@ def run_local(
         stop_on_sigint: The ranks ignore SIGINT; a Ctrl-C in the spawner kills every rank
             and marks it ``interrupted``.
         preload: Modules the forkserver imports once for every rank.
+        on_start: Called with the ranks' pids once they have all started.
 
     Returns:
         One RankOutcome per rank, in rank order.
@@ -183,7 +185,7 @@ def run_local(
         with tempfile.TemporaryDirectory(prefix="dext-ranks-") as tmpdir:
             procs = []
             for r in range(world):
-                child_env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+                child_env = {"GLOO_SOCKET_IFNAME": "lo"}
                 child_env.update(env or {})
                 child_env.update((rank_env or {}).get(r, {}))
                 p = ctx.Process(target=_child, daemon=True,
@@ -191,6 +193,8 @@ def run_local(
                                       capture_output, stop_on_sigint))
                 p.start()
                 procs.append(p)
+            if on_start is not None:
+                on_start([p.pid for p in procs])
             deadline = time.monotonic() + timeout
             while any(p.is_alive() for p in procs):
                 if interrupted.is_set() or time.monotonic() > deadline:

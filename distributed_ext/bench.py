@@ -1,12 +1,18 @@
 """distributed-ext-bench: gather multi-GB shards, ours against torch's baseline, in one command.
 
-Without a launcher it spawns ``--world`` local ranks on gloo (CPU); under torchrun it joins
-the launch (``distributed_run``: NCCL on GPUs, gloo on a CPU-only node), so the same command
-runs on a laptop and across many nodes. Rank 0 is dst; it prints a progress bar while data
-moves and a results table at the end.
+Without a launcher it spawns ``--world`` local ranks on gloo (CPU), FRESH RANKS FOR EVERY
+METHOD, so that each method's first call is what a job that exports once pays; under torchrun
+it joins the launch (``distributed_run``: NCCL on GPUs, gloo on a CPU-only node), where the
+methods share the launch's ranks. Rank 0 is dst; it shows progress while data moves and a
+table at the end: per method, the first call, the warm median and spread (min-max) of
+``--repeat`` more calls, GB/s and dst's peak RSS, and the ratios to the baselines.
+
+GB/s, everywhere: bytes dst receives from the other ranks, per second of dst's wall time from
+a barrier to the call's return.
 
 Workloads (``--size`` per rank):
-  bytes        gather_bytes                 vs dist.gather_object of the same bytes
+  bytes        gather_bytes vs raw gloo send/recv into fresh tensors (the transport's
+               ceiling) vs dist.gather_object, and the first-touch floor of dst's outputs
   state-dict   gather_state_dicts of an LLM-shaped state (4096x4096 bf16 matrices and small
                tensors) vs torch.save + dist.gather_object + torch.load(weights_only=True)
 """
@@ -14,23 +20,20 @@ Workloads (``--size`` per rank):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import datetime
 import io
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
-import signal
-import statistics
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from distributed_ext._spawn import run_local
+from distributed_ext._timing import Timing, time_calls
 
 WORKLOADS = ("bytes", "state-dict")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,
@@ -69,14 +72,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--world", type=int, default=2,
                     help="local ranks to spawn without a launcher (default 2)")
-    ap.add_argument("--size", type=parse_size, default=parse_size("256MiB"),
-                    help="bytes per rank, with units: 256MiB (default), 1GiB, ...")
+    ap.add_argument("--size", type=parse_size, nargs="+", default=[parse_size("256MiB")],
+                    help="bytes per rank, with units: 256MiB (default), 1GiB, ...; several "
+                    "sizes run one after the other (e.g. --size 256MiB 64MiB)")
     ap.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is shown")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="warm calls after the first, per method (default 5)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch baselines")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    ap.add_argument("--plot", metavar="PATH.png", help="draw ours vs baseline (matplotlib)")
+    ap.add_argument("--plot", metavar="PATH.png", help="draw first-call and warm GB/s (matplotlib)")
+    ap.add_argument("--from-json", metavar="PATH",
+                    help="run nothing: print (and --plot) the figures of a saved --json")
     ap.add_argument("--timeout", type=float, default=3600,
                     help="seconds before local ranks are stopped (default 3600)")
     args = ap.parse_args(argv)
@@ -84,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--world must be at least 1, got {args.world}")
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
-    if not args.no_baseline:
+    if not args.no_baseline and not args.from_json:
         try:
             import numpy  # noqa: F401
         except ImportError:
@@ -97,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error("--plot needs matplotlib: pip install 'distributed_ext[plot]' (or "
                      "pip install matplotlib)")
     args.workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    args.sizes = list(args.size)
     return args
 
 
@@ -174,26 +182,58 @@ class PeakRSS:
 
 
 class ProgressBar:
-    """``[#####.....] 1.20/2.00 GiB  0.85 GB/s`` on stderr, at most 10 updates a second."""
+    """``[#####.....] 1.20/2.00 GiB  0.85 GB/s`` on stderr: bytes dst received from the others.
+
+    Redrawn whenever progress moves by 2% or 32 MiB (whichever is smaller) and at the end.
+    """
 
     def __init__(self, label: str, enabled: bool) -> None:
         self.label, self.enabled = label, enabled
         self.start = time.perf_counter()
-        self.last = 0.0
+        self.drawn = -1
 
     def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self.last < 0.1 and done < total):
+        step = min(total * 0.02, 32 * 2**20)
+        if not self.enabled or (self.drawn >= 0 and done - self.drawn < step and done < total):
             return
-        self.last = now
+        self.drawn = done
+        now = time.perf_counter()
         frac = done / total if total else 1.0
         rate = done / max(now - self.start, 1e-9) / 1e9
         bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r  {self.label:<28} [{bar:<30}] {done / 2**30:6.2f}/"
+        sys.stderr.write(f"\r  {self.label:<34} [{bar:<30}] {done / 2**30:6.2f}/"
                          f"{total / 2**30:.2f} GiB {rate:6.2f} GB/s")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
+
+class Running:
+    """``  bytes (torch gather_object) 2/4   running 1.3 s`` on stderr while a call without
+    progress of its own (a baseline) runs, redrawn from a thread every 0.2 s."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label, self.enabled = label, enabled
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        while not self._stop.wait(0.2):
+            sys.stderr.write(f"\r  {self.label:<34} running {time.perf_counter() - start:6.1f} s")
+            sys.stderr.flush()
+
+    def __enter__(self) -> Running:
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._stop.set()
+            self._thread.join()
+            sys.stderr.write("\r" + " " * 90 + "\r")
+            sys.stderr.flush()
 
 
 # -- workloads -------------------------------------------------------------------------------
@@ -221,16 +261,95 @@ def make_state(nbytes: int, seed: int = 0) -> dict:
     return state
 
 
+
+# Methods per workload, ours first; the baseline the ratios are taken against is marked.
+METHODS = {
+    "bytes": ["distributed_ext", "raw gloo send/recv", "torch gather_object", "first-touch floor"],
+    "state-dict": ["distributed_ext", "torch save+gather_object+load"],
+}
+BASELINE = {"bytes": "torch gather_object", "state-dict": "torch save+gather_object+load"}
+_TORCH_METHODS = {"torch gather_object", "torch save+gather_object+load"}
+
+
+def resolve_methods(workload: str, baseline: bool, backend: str = "gloo") -> list[str]:
+    """The methods a run measures: ours, and unless ``--no-baseline`` the others."""
+    methods = METHODS[workload]
+    if not baseline:
+        methods = [m for m in methods if m not in _TORCH_METHODS]
+    if backend != "gloo":  # raw send/recv of host tensors and the host floor are gloo figures
+        methods = [m for m in methods if m in ("distributed_ext", *_TORCH_METHODS)]
+    return methods
+
+
 @dataclass
 class Result:
+    """One method's figures; every call's seconds are kept (``first`` and ``warm``)."""
+
     workload: str
     method: str
     world: int
-    size: int
-    seconds: float
-    gbps: float
-    dst_peak_rss: int
-    ratio: float | None = None  # baseline seconds / these seconds (ours only)
+    size: int  # bytes per rank
+    received: int  # bytes dst receives from the other ranks per call (the GB/s numerator)
+    first: float
+    warm: list[float] = field(default_factory=list)
+    dst_peak_rss: list[int] = field(default_factory=list)  # per call, first included
+    fresh_ranks: bool = True
+
+    def timing(self) -> Timing:
+        return Timing(self.first, list(self.warm))
+
+    @property
+    def gbps_first(self) -> float:
+        return self.received / self.first / 1e9 if self.first > 0 else 0.0
+
+    @property
+    def gbps_warm(self) -> float:
+        median = self.timing().median
+        return self.received / median / 1e9 if median > 0 else 0.0
+
+
+def _call(workload: str, method: str, data: Any, rank: int, world: int, dst: int,
+          bar: ProgressBar | None) -> bool:
+    """One measured call of ``method`` on this rank; True if dst's result is right."""
+    import torch
+    import torch.distributed as dist
+
+    import distributed_ext as dx
+
+    if method == "distributed_ext":
+        if workload == "bytes":
+            out = dx.gather_bytes(data, dst, progress=bar)
+            return out is None or (len(out) == world and len(out[rank]) == len(data))
+        got = [len(s) for s in dx.gather_state_dicts(data, dst, progress=bar)]
+        return rank != dst or got == [len(data)] * world
+    if method == "raw gloo send/recv":
+        if rank == dst:
+            outs = [torch.empty(len(data), dtype=torch.uint8) for _ in range(world - 1)]
+            works = [dist.irecv(o, src=r) for o, r in zip(outs, [r for r in range(world)
+                                                                   if r != dst])]
+            for w in works:
+                w.wait()
+        else:
+            dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=dst)
+        return True
+    if method == "first-touch floor":
+        from distributed_ext import _native
+
+        if rank == dst:  # allocate dst's outputs fresh and write every page once
+            outs = [_native.empty_bytearray(len(data)) for _ in range(world)]
+            for o in outs:
+                torch.frombuffer(o, dtype=torch.uint8).fill_(1)
+        return True
+    holder = [None] * world if rank == dst else None
+    if workload == "bytes":
+        dist.gather_object(bytes(data), holder, dst=dst)
+        return holder is None or len(holder[rank]) == len(data)
+    bio = io.BytesIO()
+    torch.save(data, bio)
+    dist.gather_object(bio.getvalue(), holder, dst=dst)
+    del bio
+    got = [len(torch.load(io.BytesIO(b), weights_only=True)) for b in holder or []]
+    return rank != dst or got == [len(data)] * world
 
 
 def _payload(size: int, rank: int) -> bytearray:
@@ -242,266 +361,259 @@ def _payload(size: int, rank: int) -> bytearray:
     return data
 
 
-def _warm_up(workload: str, method: str, dst: int, world: int) -> None:
-    """One small call of the same kind first (connections, thread pools), for every method."""
-    import torch.distributed as dist
+def measure(workload: str, method: str, size: int, repeat: int, show_progress: bool,
+            fresh_ranks: bool = True) -> dict | None:
+    """Runs on every rank (collective): the first call, then ``repeat`` warm ones.
 
-    import distributed_ext as dx
-
-    if method == "distributed_ext":
-        if workload == "bytes":
-            dx.gather_bytes(bytearray(2**20), dst)
-        else:
-            list(dx.gather_state_dicts(make_state(2**20), dst))
-    else:
-        dist.gather_object(bytes(2**20), [None] * world if dist.get_rank() == dst else None,
-                           dst=dst)
-
-
-def run_workloads(args: argparse.Namespace, rank: int, world: int) -> list[Result]:
-    """Runs every workload and method on this rank (collective); dst returns the results.
-
-    Each method first makes one small warm-up call, then ``args.repeat`` timed calls (median).
+    Returns dst's figures as a dict (a :class:`Result`'s fields); None on the other ranks.
     """
-    import torch
     import torch.distributed as dist
 
-    import distributed_ext as dx
+    rank, world, dst = dist.get_rank(), dist.get_world_size(), 0
+    data: Any = _payload(size, rank) if workload == "bytes" else make_state(size, seed=rank)
+    moved = (sum(t.numel() * t.element_size() for t in data.values())
+             if isinstance(data, dict) else len(data))
+    show = show_progress and rank == dst
+    peaks: list[int] = []
+    checks: list[bool] = []
+    rss: list[PeakRSS] = []
 
-    dst = 0
-    # A bar is for a person at a terminal; in a log it would be noise.
-    show_progress = rank == dst and not args.quiet and sys.stderr.isatty()
-    results: list[Result] = []
-    for workload in args.workloads:
-        methods = ["distributed_ext"] + ([] if args.no_baseline else ["torch baseline"])
-        timings: dict[str, tuple[float, int]] = {}
-        for method in methods:
-            if workload == "bytes":
-                data: Any = _payload(args.size, rank)
+    def call(i: int) -> bool:
+        label = f"{workload} ({method}) {'first' if i == 0 else f'{i}/{repeat}'}"
+        with PeakRSS() as sampler:
+            rss.append(sampler)
+            if method == "distributed_ext":
+                ok = _call(workload, method, data, rank, world, dst, ProgressBar(label, show))
             else:
-                data = make_state(args.size, seed=rank)
-            moved = sum(t.numel() * t.element_size() for t in data.values()) \
-                if isinstance(data, dict) else len(data)
-            _warm_up(workload, method, dst, world)
-            secs, peaks = [], []
-            for rep in range(args.repeat):
-                label = f"{workload} ({method}) {rep + 1}/{args.repeat}"
-                bar = ProgressBar(label, show_progress)
-                dist.barrier()
-                with PeakRSS() as rss:
-                    start = time.perf_counter()
-                    if method == "distributed_ext":
-                        if workload == "bytes":
-                            out = dx.gather_bytes(data, dst, progress=bar)
-                            ok = out is None or len(out[rank]) == len(data)
-                        else:
-                            got = [len(s) for s in dx.gather_state_dicts(data, dst,
-                                                                          progress=bar)]
-                            ok = rank != dst or got == [len(data)] * world
-                    else:
-                        if show_progress:
-                            sys.stderr.write(f"  {label:<28} (torch: no progress to show)\r")
-                            sys.stderr.flush()
-                        holder = [None] * world if rank == dst else None
-                        if workload == "bytes":
-                            dist.gather_object(bytes(data), holder, dst=dst)
-                            ok = holder is None or len(holder[rank]) == len(data)
-                        else:
-                            bio = io.BytesIO()
-                            torch.save(data, bio)
-                            dist.gather_object(bio.getvalue(), holder, dst=dst)
-                            del bio
-                            got = [len(torch.load(io.BytesIO(b), weights_only=True))
-                                   for b in holder or []]
-                            ok = rank != dst or got == [len(data)] * world
-                        del holder
-                    secs.append(time.perf_counter() - start)
-                if not ok:
-                    raise RuntimeError(f"{workload} ({method}): wrong result on rank {rank}")
-                peaks.append(rss.added)
-                out = got = None  # noqa: F841  free before the next repetition
-            timings[method] = (statistics.median(secs), max(peaks))
-            if show_progress:
-                sys.stderr.write(" " * 100 + "\r")
-            seconds, peak = timings[method]
-            # GB/s counts what dst ends up holding: every rank's payload.
-            results.append(Result(workload, method, world, moved, seconds,
-                                  world * moved / seconds / 1e9, peak))
-        if "torch baseline" in timings:
-            results[-2].ratio = timings["torch baseline"][0] / timings["distributed_ext"][0]
-    return results if rank == dst else []
+                with Running(label, show):
+                    ok = _call(workload, method, data, rank, world, dst, None)
+        return ok
+
+    def after(i: int, ok: bool) -> None:
+        checks.append(ok)
+        peaks.append(rss[-1].added)
+
+    timing = time_calls(call, repeat, sync=dist.barrier, after=after)
+    if not all(checks):
+        raise RuntimeError(f"{workload} ({method}): a wrong result on rank {rank}")
+    if rank != dst:
+        return None
+    received = (world - 1) * moved  # the floor too: a like-for-like rate
+    return asdict(Result(workload, method, world, moved, received, timing.first, timing.warm,
+                         peaks, fresh_ranks))
 
 
 # -- reporting -------------------------------------------------------------------------------
 
 
+def _ratio(base: float, ours: float) -> str:
+    if base <= 0 or ours <= 0:
+        return "-"
+    r = base / ours
+    return f"{r:.2f}x faster" if r >= 1 else f"{1 / r:.2f}x slower"
+
+
 def format_table(results: list[Result]) -> str:
-    lines = ["| workload | world | size/rank | method | seconds | GB/s | dst peak RSS | "
-             "vs baseline |", "|---|---|---|---|---|---|---|---|"]
+    """The table: first call and warm figures side by side, ratios against each workload's
+    baseline (ours only)."""
+    head = ("| workload | world | size/rank | method | first call s | warm median s | warm "
+            "min-max s | GB/s first / warm* | vs baseline first / warm | dst peak RSS |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        if r.ratio:
-            ratio = f"{r.ratio:.1f}x faster" if r.ratio >= 1 else f"{1 / r.ratio:.1f}x slower"
+        t = r.timing()
+        base = next((b for b in results if b.workload == r.workload
+                     and b.method == BASELINE[r.workload]), None)
+        if r.method == "distributed_ext" and base is not None:
+            bt = base.timing()
+            vs = f"{_ratio(bt.first, t.first)} / {_ratio(bt.median, t.median)}"
         else:
-            ratio = "1.0x" if "baseline" in r.method else "-"
-        lines.append(f"| {r.workload} | {r.world} | {format_size(r.size)} | {r.method} | "
-                     f"{r.seconds:.3f} | {r.gbps:.3f} | +{format_size(r.dst_peak_rss)} | "
-                     f"{ratio} |")
+            vs = "1.0x" if base is r else "-"
+        lines.append(
+            f"| {r.workload} | {r.world} | {format_size(r.size)} | {r.method} | {t.first:.3f} | "
+            f"{t.median:.3f} | {t.low:.3f}-{t.high:.3f} | {r.gbps_first:.2f} / "
+            f"{r.gbps_warm:.2f} | {vs} | +{format_size(max(r.dst_peak_rss or [0]))} |")
+    lines.append("\n*GB/s: bytes dst receives from the other ranks per second of dst's wall "
+                 "time (barrier to return); warm = the median of the warm calls.")
     return "\n".join(lines)
 
 
+def check_targets(results: list[Result]) -> list[str]:
+    """The targets of issue 11 that this run can judge, per size, each with its verdict."""
+    out = []
+    for size in sorted({r.size for r in results if r.workload == "bytes"}, reverse=True):
+        out += _targets_at([r for r in results if r.size == size or r.workload != "bytes"],
+                           format_size(size))
+    return out
+
+
+def _targets_at(results: list[Result], label: str) -> list[str]:
+    by = {(r.workload, r.method): r.timing() for r in results}
+    out = []
+
+    def line(name: str, value: float, target: float, higher: bool = True) -> None:
+        ok = value >= target if higher else value <= target
+        out.append(f"{'met ' if ok else 'MISSED'} [{label}/rank] {name}: {value:.2f}x (target "
+                   f"{'>=' if higher else '<='} {target}x)")
+
+    ours = by.get(("bytes", "distributed_ext"))
+    if ours is None:
+        return out
+    raw = by.get(("bytes", "raw gloo send/recv"))
+    obj = by.get(("bytes", "torch gather_object"))
+    floor = by.get(("bytes", "first-touch floor"))
+    if raw is not None:
+        line("first call vs raw gloo's first call", raw.first / ours.first, 0.9)
+    if obj is not None:
+        line("first call vs gather_object's first call", obj.first / ours.first, 3.0)
+        line("warm vs gather_object warm", obj.median / ours.median, 10.0)
+    if ours.warm:
+        line("warm max/min over the warm calls", ours.spread, 1.5, higher=False)
+    if floor is not None:
+        line("warm vs the first-touch floor of dst's outputs (ours / floor)",
+             ours.median / floor.median, 1.3, higher=False)
+    return out
+
+
+def environment() -> dict[str, Any]:
+    """What a figure was measured on: versions, cores, memory, host, date."""
+    import torch
+
+    import distributed_ext
+
+    total = None
+    try:
+        with open("/proc/meminfo") as f:
+            total = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "distributed_ext": distributed_ext.__version__, "cores": os.cpu_count(),
+            "memory_bytes": total, "host": platform.node(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
 def plot(results: list[Result], path: str) -> None:
+    """First-call and warm GB/s per method, one group of bars per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = sorted({r.workload for r in results}, key=WORKLOADS.index)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.38
-    for i, method in enumerate(("distributed_ext", "torch baseline")):
-        values = [next((r.gbps for r in results if r.workload == w and r.method == method), 0)
-                  for w in workloads]
-        ax.bar([x + (i - 0.5) * width for x in range(len(workloads))], values, width,
-               label=method)
-    ax.set_xticks(range(len(workloads)), workloads)
-    ax.set_ylabel("GB/s gathered on dst")
-    world, size = results[0].world, results[0].size
-    ax.set_title(f"gather to rank 0, world {world}, {format_size(size)} per rank")
+    rows = [r for r in results if r.method != "first-touch floor"]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    labels = [f"{r.workload}\n{r.method}" for r in rows]
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r.gbps_first for r in rows], 0.4, label="first call")
+    ax.bar([x + 0.2 for x in xs], [r.gbps_warm for r in rows], 0.4, label="warm median")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("GB/s received on dst")
+    if results:
+        ax.set_title(f"gather to rank 0, world {results[0].world}, "
+                     f"{format_size(results[0].size)} per rank")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def load_results(path: str) -> tuple[dict[str, Any], list[Result]]:
+    """A JSON written by ``--json``: (its environment, its results)."""
+    with open(path) as f:
+        doc = json.load(f)
+    return doc.get("environment", {}), [Result(**r) for r in doc["results"]]
+
+
 def report(results: list[Result], args: argparse.Namespace, where: str) -> None:
     print(f"\ndistributed-ext-bench, {where}, {datetime.date.today()}, torch "
-          f"{__import__('torch').__version__}, median of {args.repeat}")
+          f"{__import__('torch').__version__}: first call, then the median and spread of "
+          f"{args.repeat} warm calls")
     print(format_table(results))
+    for line in check_targets(results):
+        print("  " + line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=2)
+            json.dump({"environment": {**environment(), "where": where, "repeat": args.repeat},
+                       "results": [asdict(r) for r in results]}, f, indent=2)
     if args.plot:
         plot(results, args.plot)
         print(f"plot written to {args.plot}")
 
 
-# -- local ranks -----------------------------------------------------------------------------
+# -- running ---------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this rank if the spawner dies (no orphans, even on SIGKILL)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _rank_measure(workload: str, method: str, size: int, repeat: int, show: bool) -> dict | None:
+    """Entry point of a local rank (importable by name for the spawner)."""
+    return measure(workload, method, size, repeat, show)
 
 
-def _local_rank(args: argparse.Namespace, rank: int, world: int, store: str, queue: Any) -> None:
-    # Ctrl-C reaches the whole foreground process group; the spawner alone handles it and
-    # stops the ranks, so a rank never dies half-way through a collective on its own.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
+def touch_machine_memory(nbytes: int) -> None:
+    """Writes ``nbytes`` of memory once in this process, then frees it, before any rank starts.
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        results = run_workloads(args, rank, world)
-        if rank == 0:
-            queue.put(("ok", [asdict(r) for r in results]))
-        dist.barrier()
-    except BaseException as exc:
-        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    On a fresh VM the first use of guest memory is slow (the host maps it in): without this,
+    whichever method runs first would pay it in its "first call", a cost of the machine, not
+    of the method. The ranks' own first-touch costs are untouched (they are new processes).
+    """
+    import torch
 
-
-def _stop(procs: list[Any]) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    have = available_bytes()
+    n = min(nbytes, int(have * 0.8)) if have else nbytes
+    if n > 0:
+        torch.empty(n, dtype=torch.uint8).fill_(0)
 
 
 def spawn_local(args: argparse.Namespace) -> int:
-    check_memory(args.size, args.world, not args.no_baseline)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs: list[Any] = []
-    interrupted = threading.Event()
+    biggest = max(args.sizes)
+    check_memory(biggest, args.world, not args.no_baseline)
+    touch_machine_memory(estimate_peak_bytes(biggest, args.world, not args.no_baseline))
+    show = not args.quiet and sys.stderr.isatty()
+    results: list[Result] = []
 
-    def on_sigint(signum: int, frame: object) -> None:
-        interrupted.set()
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        with tempfile.TemporaryDirectory(prefix="dext-bench-") as tmp:
-            for r in range(args.world):
-                p = ctx.Process(target=_local_rank,
-                                args=(args, r, args.world, os.path.join(tmp, "store"), queue))
-                p.start()
-                procs.append(p)
+    for size, workload in ((s, w) for s in args.sizes for w in args.workloads):
+        def announce(pids: list[int], size: int = size) -> None:
             print(f"distributed-ext-bench: {args.world} local ranks on gloo (pids "
-                  f"{', '.join(str(p.pid) for p in procs)}), {format_size(args.size)} per rank",
+                  f"{', '.join(str(p) for p in pids)}), {format_size(size)} per rank",
                   flush=True)
-            deadline = time.monotonic() + args.timeout
-            outcome = None
-            while outcome is None:
-                if interrupted.is_set():
-                    _stop(procs)
-                    print("\ndistributed-ext-bench: interrupted; every local rank stopped",
-                          file=sys.stderr)
-                    return 130
-                if time.monotonic() > deadline:
-                    _stop(procs)
-                    print(f"distributed-ext-bench: timed out after {args.timeout} s",
-                          file=sys.stderr)
-                    return 1
-                try:
-                    outcome = queue.get(timeout=0.2)
-                except Exception:
-                    if any(p.exitcode not in (None, 0) for p in procs):
-                        outcome = ("error", "a rank exited with code "
-                                   + str([p.exitcode for p in procs]))
-            for p in procs:
-                p.join(30)
-            _stop(procs)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    kind, payload = outcome
-    if kind != "ok":
-        print(f"distributed-ext-bench: failed: {payload}", file=sys.stderr)
-        return 1
-    results = [Result(**r) for r in payload]
-    report(results, args, f"{args.world} local ranks on gloo, {platform.node()} "
-                          f"({os.cpu_count()} cores)")
+
+        for method in resolve_methods(workload, not args.no_baseline):
+            # Fresh ranks per method: its first call is a first call.
+            outcomes = run_local(_rank_measure, args.world, workload, method, size,
+                                 args.repeat, show, timeout=args.timeout,
+                                 pg_timeout=args.timeout, capture_output=False,
+                                 stop_on_sigint=True, on_start=announce)
+            if any(o.interrupted for o in outcomes):
+                print("\ndistributed-ext-bench: interrupted; every local rank stopped",
+                      file=sys.stderr)
+                return 130
+            failed = [o for o in outcomes if not o.ok]
+            if failed:
+                print("distributed-ext-bench: failed: "
+                      + "; ".join(o.describe() for o in failed), file=sys.stderr)
+                return 1
+            results.append(Result(**outcomes[0].value))
+    report(results, args, f"{args.world} local ranks on gloo, fresh ranks per method, "
+                          f"{platform.node()} ({os.cpu_count()} cores)")
     return 0
 
 
 def run_launched(args: argparse.Namespace) -> int:
-    """Under torchrun: NCCL on GPUs (via distributed_run), gloo on a CPU-only node."""
-    import torch
+    """Under torchrun: NCCL on GPUs, gloo on a CPU-only node (both via distributed_run)."""
     import torch.distributed as dist
 
     import distributed_ext as dx
 
-    if torch.cuda.is_available():
-        with dx.distributed_run() as state:
-            results = run_workloads(args, state.rank, state.world_size)
-            where = f"torchrun, {state.world_size} ranks, NCCL"
-    else:
-        dist.init_process_group("gloo")
-        try:
-            results = run_workloads(args, dist.get_rank(), dist.get_world_size())
-            where = f"torchrun, {dist.get_world_size()} ranks, gloo"
-            dist.barrier()  # tear down together
-        finally:
-            dist.destroy_process_group()
+    with dx.distributed_run() as state:
+        backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+        show = state.is_main and not args.quiet and sys.stderr.isatty()
+        results = []
+        for size, workload in ((s, w) for s in args.sizes for w in args.workloads):
+            for method in resolve_methods(workload, not args.no_baseline, backend):
+                row = measure(workload, method, size, args.repeat, show, fresh_ranks=False)
+                if row is not None:
+                    results.append(Result(**row))
+        where = (f"torchrun, {state.world_size} ranks, {backend.upper() if backend == 'nccl' else backend}"
+                 ", the methods share the launch's ranks (first calls after the first method's "
+                 "are not fresh)")
+        dist.barrier()  # tear down together
     if results:
         report(results, args, where)
     return 0
@@ -509,6 +621,12 @@ def run_launched(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        env, results = load_results(args.from_json)
+        args.repeat = env.get("repeat", args.repeat)
+        report(results, args, f"from {args.from_json} ({env.get('where', '?')}, "
+                              f"{env.get('date', '?')})")
+        return 0
     from distributed_ext import runtime
 
     if runtime.is_distributed_launch():

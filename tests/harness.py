@@ -31,8 +31,9 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 90.0,
               pg_timeout: float = 60.0, init: bool = True, env: dict[str, str] | None = None,
               rank_env: dict[int, dict[str, str]] | None = None) -> list[RankResult]:
     """Runs ``fn(*args)`` in ``world_size`` real processes; see the module docstring."""
+    # One thread per rank: tests run many ranks on few cores.
     return run_local(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout, init=init,
-                     env=env, rank_env=rank_env)
+                     env={"OMP_NUM_THREADS": "1", **(env or {})}, rank_env=rank_env)
 
 
 @contextlib.contextmanager

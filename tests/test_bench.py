@@ -34,8 +34,9 @@ def test_parse_size_rejects(text):
 
 def test_parse_args_defaults_and_errors(capsys):
     args = bench.parse_args([])
-    assert (args.world, args.size, args.repeat, args.workloads) == (2, 256 * 2**20, 3,
-                                                                     ["bytes", "state-dict"])
+    assert (args.world, args.sizes, args.repeat, args.workloads) == (
+        2, [256 * 2**20], 5, ["bytes", "state-dict"])
+    assert bench.parse_args(["--size", "256MiB", "64MiB"]).sizes == [256 * 2**20, 64 * 2**20]
     assert bench.parse_args(["--workload", "bytes"]).workloads == ["bytes"]
     for bad, text in ((["--world", "0"], "--world must be at least 1"),
                       (["--size", "lots"], "bad size"), (["--repeat", "0"], "--repeat"),
@@ -54,8 +55,8 @@ def test_plot_needs_matplotlib(tmp_path, capsys):
             bench.parse_args(["--plot", str(tmp_path / "p.png")])
         assert "pip install" in capsys.readouterr().err
     else:
-        results = [bench.Result("bytes", m, 2, 100, 1.0, 0.5, 10) for m in
-                   ("distributed_ext", "torch baseline")]
+        results = [bench.Result("bytes", m, 2, 100, 100, 1.0, [0.5, 0.6], [10]) for m in
+                   ("distributed_ext", "torch gather_object")]
         bench.plot(results, str(tmp_path / "p.png"))
         assert (tmp_path / "p.png").stat().st_size > 1000
 
@@ -78,18 +79,48 @@ def test_make_state_is_llm_shaped_and_sized():
 
 def test_short_real_run_world_2(tmp_path, capsys):
     out = tmp_path / "figures.json"
-    code = bench.main(["--world", "2", "--size", "2MiB", "--repeat", "1", "--quiet",
+    code = bench.main(["--world", "2", "--size", "2MiB", "--repeat", "2", "--quiet",
                        "--json", str(out), "--timeout", "120"])  # ranks stopped after 120 s
     assert code == 0
-    rows = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    rows = doc["results"]
     assert [(r["workload"], r["method"]) for r in rows] == [
-        ("bytes", "distributed_ext"), ("bytes", "torch baseline"),
-        ("state-dict", "distributed_ext"), ("state-dict", "torch baseline")]
-    for r in rows:
-        assert r["world"] == 2 and r["size"] == 2 * 2**20 and r["seconds"] > 0 and r["gbps"] > 0
-    assert rows[0]["ratio"] > 0 and rows[2]["ratio"] > 0
+        ("bytes", "distributed_ext"), ("bytes", "raw gloo send/recv"),
+        ("bytes", "torch gather_object"), ("bytes", "first-touch floor"),
+        ("state-dict", "distributed_ext"), ("state-dict", "torch save+gather_object+load")]
+    for r in rows:  # every call is kept: the first, and each warm one
+        assert r["world"] == 2 and r["size"] == 2 * 2**20 and r["first"] > 0
+        assert len(r["warm"]) == 2 and all(t > 0 for t in r["warm"]) and r["fresh_ranks"]
+        assert r["received"] == r["size"]  # one other rank's bytes reach dst
+    env = doc["environment"]
+    for key in ("python", "torch", "distributed_ext", "cores", "memory_bytes", "date", "host"):
+        assert env[key], key
     table = capsys.readouterr().out
-    assert "| workload | world | size/rank |" in table and "distributed_ext" in table
+    assert "| first call s | warm median s | warm min-max s |" in table
+    assert "bytes dst receives from the other ranks" in table  # the GB/s definition
+    assert "first call vs raw gloo's first call" in table
+    # --plot and the table from the saved JSON, without running anything.
+    assert bench.main(["--from-json", str(out)]) == 0
+    again = capsys.readouterr().out
+    assert "from " + str(out) in again and "distributed_ext" in again
+
+
+def test_targets_are_judged_from_the_figures():
+    def row(method, first, warm, size=256 * 2**20):
+        return bench.Result("bytes", method, 2, size, size, first, warm, [0])
+
+    results = [row("distributed_ext", 0.2, [0.1, 0.11, 0.12]),
+               row("raw gloo send/recv", 0.2, [0.2]),
+               row("torch gather_object", 1.0, [2.0]),
+               row("first-touch floor", 0.1, [0.05])]
+    lines = bench.check_targets(results)
+    assert any(line.startswith("met ") and "raw gloo's first call: 1.00x" in line for line in lines)
+    assert any(line.startswith("met ") and "gather_object's first call: 5.00x" in line
+               for line in lines)
+    assert any(line.startswith("met ") and "warm vs gather_object warm: 18.18x" in line
+               for line in lines)
+    assert any(line.startswith("met ") and "max/min" in line for line in lines)
+    assert any(line.startswith("MISSED") and "first-touch floor" in line for line in lines)
 
 
 def _alive(pid: int) -> bool:
@@ -137,8 +168,9 @@ def test_under_torchrun_on_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torchrun, 2 ranks, gloo" in proc.stdout
-    rows = json.loads(out.read_text())
-    assert len(rows) == 4 and all(r["world"] == 2 for r in rows)
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 6 and all(r["world"] == 2 for r in rows)
+    assert not any(r["fresh_ranks"] for r in rows)  # a launch's ranks are shared
 
 
 def test_baseline_without_numpy_is_refused_up_front(monkeypatch, capsys):
@@ -152,12 +184,19 @@ def test_baseline_without_numpy_is_refused_up_front(monkeypatch, capsys):
 
 def test_progress_bar_draws_and_finishes(capsys):
     bar = bench.ProgressBar("bytes (distributed_ext) 1/3", enabled=True)
+    bar(0, 2**30)
     bar(2**29, 2**30)
+    bar(2**29 + 2**20, 2**30)  # +1 MiB: under 2% and 32 MiB, not redrawn
     bar(2**30, 2**30)
     err = capsys.readouterr().err
     assert "[" + "#" * 15 + " " * 15 + "]" in err  # half way
-    assert "0.50/1.00 GiB" in err and "1.00/1.00 GiB" in err
+    assert "0.50/1.00 GiB" in err and "1.00/1.00 GiB" in err and "0.50/1.00 GiB" in err
+    assert err.count("\r") == 3  # 0, half, done
     assert "#" * 30 in err and err.endswith("\n")
+    step = bench.ProgressBar("x", enabled=True)
+    for done in range(0, 2**30 + 1, 2**24):  # 16 MiB steps of 1 GiB: every 2nd is drawn
+        step(done, 2**30)
+    assert capsys.readouterr().err.count("\r") == 33
     quiet = bench.ProgressBar("x", enabled=False)
     quiet(1, 2)
     assert capsys.readouterr().err == ""
