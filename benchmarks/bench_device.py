@@ -18,20 +18,19 @@ import sys
 import tempfile
 import time
 
+from distributed_ext._timing import time_calls
 from distributed_ext.bench import parse_size
 
 
 def _rate(nbytes: int, fn, repeat: int = 3) -> float:
+    """GB/s of the warm median of ``fn`` (the shared timing loop, CUDA-synchronized)."""
     import torch
 
-    best = float("inf")
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    def call(_i: int) -> None:
         fn()
         torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+
+    return nbytes / time_calls(call, repeat, sync=torch.cuda.synchronize).median / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -309,7 +309,7 @@ class Result:
 
 
 def _call(workload: str, method: str, data: Any, rank: int, world: int, dst: int,
-          bar: ProgressBar | None) -> bool:
+          bar: ProgressBar | None, chunk_bytes: int | None = None) -> bool:
     """One measured call of ``method`` on this rank; True if dst's result is right."""
     import torch
     import torch.distributed as dist
@@ -318,9 +318,11 @@ def _call(workload: str, method: str, data: Any, rank: int, world: int, dst: int
 
     if method == "distributed_ext":
         if workload == "bytes":
-            out = dx.gather_bytes(data, dst, progress=bar)
+            kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+            out = dx.gather_bytes(data, dst, progress=bar, **kw)
             return out is None or (len(out) == world and len(out[rank]) == len(data))
-        got = [len(s) for s in dx.gather_state_dicts(data, dst, progress=bar)]
+        got = [len(s) for s in dx.gather_state_dicts(data, dst, progress=bar,
+                                                      chunk_bytes=chunk_bytes)]
         return rank != dst or got == [len(data)] * world
     if method == "raw gloo send/recv":
         if rank == dst:
@@ -362,7 +364,7 @@ def _payload(size: int, rank: int) -> bytearray:
 
 
 def measure(workload: str, method: str, size: int, repeat: int, show_progress: bool,
-            fresh_ranks: bool = True) -> dict | None:
+            fresh_ranks: bool = True, chunk_bytes: int | None = None) -> dict | None:
     """Runs on every rank (collective): the first call, then ``repeat`` warm ones.
 
     Returns dst's figures as a dict (a :class:`Result`'s fields); None on the other ranks.
@@ -383,7 +385,8 @@ def measure(workload: str, method: str, size: int, repeat: int, show_progress: b
         with PeakRSS() as sampler:
             rss.append(sampler)
             if method == "distributed_ext":
-                ok = _call(workload, method, data, rank, world, dst, ProgressBar(label, show))
+                ok = _call(workload, method, data, rank, world, dst, ProgressBar(label, show),
+                           chunk_bytes)
             else:
                 with Running(label, show):
                     ok = _call(workload, method, data, rank, world, dst, None)
@@ -541,9 +544,21 @@ def report(results: list[Result], args: argparse.Namespace, where: str) -> None:
 # -- running ---------------------------------------------------------------------------------
 
 
-def _rank_measure(workload: str, method: str, size: int, repeat: int, show: bool) -> dict | None:
+def _rank_measure(workload: str, method: str, size: int, repeat: int, show: bool,
+                  chunk_bytes: int | None = None) -> dict | None:
     """Entry point of a local rank (importable by name for the spawner)."""
-    return measure(workload, method, size, repeat, show)
+    return measure(workload, method, size, repeat, show, chunk_bytes=chunk_bytes)
+
+
+def measure_fresh(workload: str, method: str, world: int, size: int, repeat: int,
+                  chunk_bytes: int | None = None, timeout: float = 3600) -> Result:
+    """One method in fresh local ranks (for the scenarios of benchmarks/); raises on failure."""
+    outcomes = run_local(_rank_measure, world, workload, method, size, repeat, False,
+                         chunk_bytes, timeout=timeout, pg_timeout=timeout)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        raise RuntimeError(f"{workload} ({method}): " + "; ".join(o.describe() for o in failed))
+    return Result(**outcomes[0].value)
 
 
 def touch_machine_memory(nbytes: int) -> None:

@@ -12,16 +12,14 @@ per rank.
 from __future__ import annotations
 
 import argparse
-import datetime
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
 import distributed_ext as dx
+from distributed_ext._spawn import run_local
 
 
 def build_model() -> torch.nn.Module:
@@ -64,16 +62,10 @@ def export(out: str, rank: int, world: int) -> None:
         print(f"rank 0 wrote {shard_path(out, r, world)} ({len(tensors)} tensors)", flush=True)
 
 
-def _local_rank(out: str, rank: int, world: int, store: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=5))
-    try:
-        export(out, rank, world)
-        # Tear down together: no rank closes its connections while a peer still uses them.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _local_rank(out: str) -> None:
+    """One local rank (the spawner has set up its gloo group)."""
+    export(out, dist.get_rank(), dist.get_world_size())
+    dist.barrier()  # tear down together: no rank leaves while a peer still uses the group
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,30 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=2, help="local ranks without a launcher")
     args = ap.parse_args(argv)
     if dx.is_distributed_launch():
-        if torch.cuda.is_available():
-            with dx.distributed_run() as state:
-                export(args.out, state.rank, state.world_size)
-        else:
-            dist.init_process_group("gloo")
-            try:
-                export(args.out, dist.get_rank(), dist.get_world_size())
-                dist.barrier()
-            finally:
-                dist.destroy_process_group()
+        # NCCL on GPUs, gloo on a CPU-only node: distributed_run chooses.
+        with dx.distributed_run() as state:
+            export(args.out, state.rank, state.world_size)
+            dist.barrier()
         return 0
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_local_rank, args=(args.out, r, args.world, f"{tmp}/store"))
-                 for r in range(args.world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(600)
-            if p.is_alive():
-                p.kill()
-    codes = [p.exitcode for p in procs]
-    if any(codes):
-        print(f"export_shards: a rank failed (exit codes {codes})", file=sys.stderr)
+    outcomes = run_local(_local_rank, args.world, args.out, timeout=600,
+                         capture_output=False, stop_on_sigint=True)
+    failed = [o.describe() for o in outcomes if not o.ok]
+    if failed:
+        print(f"export_shards: {'; '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 

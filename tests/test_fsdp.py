@@ -266,7 +266,7 @@ def test_plan_recorded_on_a_wrapped_model():
     assert assert_all_ok(run_ranks(_plan_then_wrap, 2, timeout=180)) == [True, True]
 
 
-def test_off_dtype_params_is_a_set_and_warns_once_like_modelopt():
+def _off_dtype_with_warnings():
     from distributed_ext.fsdp import _off_dtype_params
 
     model = build("llama").to(torch.bfloat16)
@@ -274,21 +274,22 @@ def test_off_dtype_params_is_a_set_and_warns_once_like_modelopt():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         off = _off_dtype_params(model)
-    assert off == {model.lm_head.weight} and isinstance(off, set)
     mixed = [w for w in caught if "mixed parameter dtypes" in str(w.message)]
+    return model, off, mixed
+
+
+def test_off_dtype_params_is_a_set_and_warns_once_like_modelopt():
+    from distributed_ext.fsdp import _off_dtype_params
+
+    model, off, mixed = _off_dtype_with_warnings()
+    assert off == {model.lm_head.weight} and isinstance(off, set)
     assert len(mixed) == 1 and issubclass(mixed[0].category, UserWarning)
     assert _off_dtype_params(build("llama")) == set()
 
 
 def _off_dtype_on_ranks():
-    from distributed_ext.fsdp import _off_dtype_params
-
-    model = build("llama").to(torch.bfloat16)
-    model.lm_head.weight.data = model.lm_head.weight.data.float()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        off = _off_dtype_params(model)
-    return len(off), sum("mixed parameter dtypes" in str(w.message) for w in caught)
+    _model, off, mixed = _off_dtype_with_warnings()
+    return len(off), len(mixed)
 
 
 def test_off_dtype_params_warns_on_the_master_only():
