@@ -170,9 +170,8 @@ def test_unsupported_values_name_the_key_path_and_fix(state, path, fix):
     assert path in str(info.value) and fix in str(info.value)
 
 
-def test_dtensor_is_refused(tmp_path):
-    from torch.distributed.tensor import DTensor  # noqa: F401  (import path exists)
-
+def test_tensor_subclass_is_refused():
+    # (A real DTensor is refused on real ranks: tests/test_state_dicts.py.)
     class Fake(torch.Tensor):
         pass
 
@@ -385,28 +384,6 @@ def test_cuda_state_arrives_on_cpu_packed_on_device():
         assert out[k].device.type == "cpu" and torch.equal(out[k], v.cpu()), k
     assert out["emb"] is out["head"]
     assert out["row"].untyped_storage().data_ptr() == out["emb"].untyped_storage().data_ptr()
-
-
-def test_cuda_sources_compile_with_nvcc(tmp_path):
-    # A syntax/type check of csrc/cuda/*.cu where nvcc exists, also on machines without a GPU.
-    import shutil
-    import subprocess
-
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found: the CUDA sources can only be checked where a toolkit is")
-    include = os.path.join(os.path.dirname(torch.__file__), "include")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cuda_dir = os.path.join(root, "csrc", "cuda")
-    sources = sorted(f for f in os.listdir(cuda_dir) if f.endswith(".cu"))
-    assert sources
-    for name in sources:
-        proc = subprocess.run(
-            [nvcc, "-c", "-std=c++17", f"-I{include}", os.path.join(cuda_dir, name),
-             "-o", str(tmp_path / (name + ".o"))],
-            capture_output=True, text=True, timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # -- issue 10, items 5-11: every contract of the format holds -------------------------------
