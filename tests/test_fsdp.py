@@ -294,3 +294,26 @@ def _off_dtype_on_ranks():
 
 def test_off_dtype_params_warns_on_the_master_only():
     assert assert_all_ok(run_ranks(_off_dtype_on_ranks, 2, timeout=120)) == [(1, 1), (1, 0)]
+
+
+def _fsdp2_on_one_gpu(path):
+    from harness import nccl_group_of_one
+
+    torch.cuda.set_device(0)
+    with nccl_group_of_one(path):
+        model = build("llama").cuda()
+        reference = copy.deepcopy(model)
+        dx.fsdp2_wrap(model)
+        x = _input().cuda()
+        with torch.no_grad():
+            diff = (model(x).logits - reference(x).logits).abs().max().item()
+        return dx.is_fsdp2_model(model), diff
+
+
+@pytest.mark.cuda
+def test_fsdp2_wrap_on_one_gpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; torch.cuda.is_available() is False here")
+    ((wrapped, diff),) = assert_all_ok(run_ranks(_fsdp2_on_one_gpu, 1, str(tmp_path / "s"),
+                                                 init=False, timeout=300))
+    assert wrapped and diff < 1e-5

@@ -264,6 +264,29 @@ def _nccl_world_1(path):
         return bytes(out[0]) == data and len(out) == 1
 
 
+def _nccl_world_1_large(path, size, chunk):
+    import torch
+
+    with nccl_group_of_one(path):
+        data = bytearray(size)
+        torch.frombuffer(data, dtype=torch.uint8).random_(0, 256)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = dx.gather_bytes(data, 0, chunk_bytes=chunk)
+        peak = torch.cuda.max_memory_allocated() - base
+        return out[0] == data, peak
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("size, chunk", [(3 * 2**30 + 12345, 256 * 2**20 + 7),
+                                         (2**31 + 1, 100 * 2**20 + 1)])
+def test_multi_gb_on_nccl_world_1_with_odd_chunks_within_the_device_bound(tmp_path, size, chunk):
+    ((equal, peak),) = assert_all_ok(run_ranks(_nccl_world_1_large, 1, str(tmp_path / "s"),
+                                               size, chunk, init=False, timeout=600))
+    assert equal
+    assert peak <= 2 * 1 * chunk  # dst: 2 x world x chunk of device memory at most
+
+
 @pytest.mark.cuda
 def test_gather_bytes_on_an_nccl_group_of_world_1(tmp_path):
     assert assert_all_ok(run_ranks(_nccl_world_1, 1, str(tmp_path / "s"), init=False)) == [True]

@@ -120,6 +120,28 @@ with dx.distributed_run(%s) as state:
 """
 
 
+@pytest.mark.cuda
+def test_distributed_run_binds_cuda_local_rank_under_torchrun(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; torch.cuda.is_available() is False here")
+    script = tmp_path / "run.py"
+    # WORLD_SIZE=1 is not a distributed launch (the spec's WORLD_SIZE>1): the state is a single
+    # process's, on the CUDA device it names, and collectives run alone.
+    script.write_text(
+        "import torch, distributed_ext as dx\n"
+        "with dx.distributed_run() as state:\n"
+        "    t = torch.ones(1, device=state.device)\n"
+        "    total = dx.all_reduce('ranks', lambda: state.rank, sum)\n"
+        "    print(f'RESULT {state.rank} {state.world_size} {t.device} {total}', flush=True)\n")
+    proc = run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+         "--master-port", str(free_port()), str(script)],
+        timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT 0 1 cuda:0 0" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("args", ["", "device='cpu'"], ids=["default", "cpu"])
 def test_distributed_run_under_torchrun_without_gpus(tmp_path, args):
     if torch.cuda.is_available():

@@ -386,6 +386,26 @@ def test_cuda_state_arrives_on_cpu_packed_on_device():
     assert out["row"].untyped_storage().data_ptr() == out["emb"].untyped_storage().data_ptr()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", sorted(S.DTYPE_CODES, key=str), ids=str)
+def test_cuda_state_of_every_dtype_non_contiguous_and_shared(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; torch.cuda.is_available() is False here")
+    dev = torch.device("cuda", 0)
+    raw = torch.randint(0, 120, (64, 48), dtype=torch.uint8, device=dev)
+    base = raw.view(dtype) if dtype.itemsize <= 48 else raw.view(torch.uint8)
+    if base.dtype != dtype:
+        pytest.skip(f"{dtype} is wider than the test row")
+    state = {"base": base, "t": base.t(), "rows": base[::2], "alias": base, "one": base[3]}
+    out = roundtrip(state)
+    for k, v in state.items():
+        assert out[k].dtype == dtype and out[k].shape == v.shape, k
+        assert torch.equal(out[k].view(torch.uint8) if dtype.itemsize == 1 else out[k].contiguous()
+                           .view(torch.uint8), v.cpu().contiguous().view(torch.uint8)), k
+    assert out["alias"] is out["base"]
+    assert out["t"].untyped_storage().data_ptr() == out["base"].untyped_storage().data_ptr()
+
+
 # -- issue 10, items 5-11: every contract of the format holds -------------------------------
 
 
