@@ -424,8 +424,8 @@ def format_table(results: list[Result]) -> str:
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = r.timing()
-        base = next((b for b in results if b.workload == r.workload
-                     and b.method == BASELINE[r.workload]), None)
+        base = next((b for b in results if b.workload == r.workload and b.size == r.size
+                     and b.world == r.world and b.method == BASELINE[r.workload]), None)
         if r.method == "distributed_ext" and base is not None:
             bt = base.timing()
             vs = f"{_ratio(bt.first, t.first)} / {_ratio(bt.median, t.median)}"
