@@ -19,6 +19,7 @@ struct Beat {
   std::mutex mutex;
   std::condition_variable wake;
   bool stop = false;
+  bool done = false;  // set by the thread as it leaves
   std::atomic<int64_t> beats{0};
   std::thread thread;
 };
@@ -48,17 +49,27 @@ void run(Beat* beat) {
     lock.lock();
     beat->wake.wait_for(lock, beat->interval, [beat] { return beat->stop; });
   }
+  beat->done = true;
+  beat->wake.notify_all();
 }
 
 void stop_locked() {
   if (!g_beat) return;
+  bool done;
   {
-    std::lock_guard<std::mutex> lock(g_beat->mutex);
+    std::unique_lock<std::mutex> lock(g_beat->mutex);
     g_beat->stop = true;
+    g_beat->wake.notify_all();
+    // A beat blocked in a store call (its host gone) must not hold up the caller -- at exit
+    // above all: wait one second, then let the thread go, and keep its state alive for it.
+    done = g_beat->wake.wait_for(lock, std::chrono::seconds(1), [] { return g_beat->done; });
   }
-  g_beat->wake.notify_all();
-  if (g_beat->thread.joinable()) g_beat->thread.join();
-  delete g_beat;
+  if (done) {
+    if (g_beat->thread.joinable()) g_beat->thread.join();
+    delete g_beat;
+  } else {
+    g_beat->thread.detach();  // leaked on purpose: the thread still reads it
+  }
   g_beat = nullptr;
 }
 
