@@ -13,6 +13,7 @@ from distributed_ext.collectives import (
     broadcast_from,
     master_only,
 )
+from distributed_ext.export import export_hf_checkpoint, gather_full_state
 from distributed_ext.fsdp import fsdp2_wrap, is_fsdp2_model
 from distributed_ext.gather import gather_bytes
 from distributed_ext.groups import DistributedProcessGroup, ParallelState
@@ -51,8 +52,10 @@ __all__ = [
     "build_info",
     "distributed_run",
     "distribution_plan",
+    "export_hf_checkpoint",
     "fsdp2_wrap",
     "gather_bytes",
+    "gather_full_state",
     "gather_state_dicts",
     "is_available",
     "is_distributed_launch",

@@ -316,8 +316,8 @@ def _await(events: queue.SimpleQueue, error_of: Callable[[], BaseException | Non
 def _raise_worker_error(error: BaseException, liveness: _Liveness | None, ranks: list[int],
                         what: str) -> None:
     """Raises ``error``, naming the dead rank behind a transport error where one is found."""
-    if isinstance(error, PeerFailure) or not isinstance(error, Exception):
-        raise error
+    if isinstance(error, PeerFailure) or not isinstance(error, RuntimeError):
+        raise error  # not a transport error (gloo's are RuntimeErrors): nothing to attribute
     # A transport error names an address at best; find the rank whose death caused it:
     # one a peer already named, else one whose heartbeat stops.
     posted = posted_failure()

@@ -222,8 +222,10 @@ class _Encoder:
             return self.tensor_index[key]
         where = _path(path)
         if _is_dtensor(t):
-            raise TypeError(f"encode_state: {where} is a DTensor; call .full_tensor() (or "
-                            ".to_local() for this rank's shard) first")
+            raise TypeError(f"encode_state: {where} is a DTensor; to assemble a sharded model "
+                            "on one rank use distributed_ext.gather_full_state (or "
+                            "export_hf_checkpoint to write it), or pass .to_local() for this "
+                            "rank's shard")
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(
             t, torch.nn.Parameter
         ):

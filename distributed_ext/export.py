@@ -1,0 +1,620 @@
+"""A sharded model's full state on one rank: as a Hugging Face checkpoint, or as a dict.
+
+The flow, on every rank of the group:
+
+1. Metadata round (``all_reduce``): each rank describes its entries -- key, dtype, global
+   shape, and the block of the full tensor it holds (a DTensor's local shard and its global
+   offset, or the whole tensor for a plain one). A bad entry (a ``Partial`` placement, a dtype
+   safetensors cannot store) raises on every rank before any byte moves.
+2. Plan, computed alike on every rank from that metadata: for each key, which rank sends which
+   block (replicas once: dst's own copy if it has one, else the lowest rank's), where every
+   byte lands (file and offset, or offset in the full tensor), and an agreed error for keys
+   whose ranks disagree on dtype or shape, or whose blocks do not cover the tensor.
+3. Preparing round: dst opens temporary files in the target directory (or allocates the full
+   tensors); a failure raises on every rank.
+4. Data: each sender streams its blocks, in plan order, in pieces of at most ``chunk_bytes``;
+   dst writes each piece to its place as it arrives (``os.pwrite`` per contiguous run). dst's
+   own blocks never cross the link. Waits are watched (:mod:`distributed_ext._watch`).
+5. Final round: any failure (a full disk, a dead peer, an interrupt) makes every rank raise,
+   and dst removes its temporary files; else dst renames them into place, writes the index,
+   ``config.json`` and ``generation_config.json``, and removes stale shards of an earlier
+   checkpoint, as ``save_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distributed_ext import _agree, _watch, runtime
+from distributed_ext.collectives import all_reduce
+
+__all__ = ["export_hf_checkpoint", "gather_full_state"]
+
+# What safetensors stores (its dtype names); anything else is refused before bytes move.
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
+}
+for _name, _code in (("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+_DTYPE_BY_NAME = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
+
+EXPORT_CHUNK_BYTES = 16 * 2**20
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+# -- input -----------------------------------------------------------------------------------
+
+
+def _dtensor_type() -> type | None:
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def resolve_state(model_or_state: nn.Module | dict) -> tuple[dict[str, torch.Tensor], nn.Module | None]:
+    """The entries to export, keyed as ``save_pretrained`` writes them, and the model if any.
+
+    For a module: its ``state_dict()``, less tied weights (the keys of ``_tied_weights_keys``
+    that alias their source), so that ``from_pretrained`` re-ties them.
+    """
+    if isinstance(model_or_state, nn.Module):
+        model = model_or_state
+        # keep_vars: a tied parameter is then the same object under both keys.
+        state = dict(model.state_dict(keep_vars=True))
+        tied = getattr(model, "_tied_weights_keys", None) or {}
+        targets = list(tied.keys()) if isinstance(tied, dict) else list(tied)
+        for key in targets:
+            if key in state and any(_same_tensor(state[key], v)
+                                    for k, v in state.items() if k != key):
+                del state[key]
+        return state, model
+    if isinstance(model_or_state, dict):
+        return dict(model_or_state), None
+    raise TypeError(f"model_or_state must be an nn.Module or a dict of tensors, got "
+                    f"{type(model_or_state).__name__}")
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Whether two entries are one tensor (the same object, or the same view of one memory)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(a, dtensor) and isinstance(b, dtensor):
+        a, b = a.to_local(), b.to_local()
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.numel() > 0
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset())
+
+
+@dataclass(frozen=True)
+class Block:
+    """The block of a full tensor one rank holds: ``offset`` and ``shape`` per dim."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def describe_entry(key: str, t: Any) -> dict[str, Any]:
+    """This rank's metadata for one entry; TypeError/ValueError naming the key if unsupported."""
+    dtensor = _dtensor_type()
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"state[{key!r}] is a {type(t).__name__}, not a tensor; a checkpoint "
+                        "holds tensors only -- drop it or store it in the config")
+    if t.dtype not in SAFETENSORS_DTYPES:
+        raise TypeError(f"state[{key!r}] has dtype {t.dtype}, which safetensors cannot store; "
+                        "convert it with .to(...) first")
+    if dtensor is not None and isinstance(t, dtensor):
+        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(isinstance(p, Partial) for p in t.placements):
+            raise ValueError(f"state[{key!r}] is a DTensor with a Partial placement "
+                             f"({t.placements}): its values are unreduced sums; call "
+                             ".redistribute(placements=[Replicate()]) or .full_tensor() first")
+        local = t.to_local()
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                              t.placements)
+        if tuple(local.shape) != tuple(shape):
+            raise ValueError(f"state[{key!r}]: its local shard has shape {tuple(local.shape)}, "
+                             f"but its placements say {tuple(shape)}")
+        return {"key": key, "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape), "offset": list(offset), "block": list(shape)}
+    if t.layout != torch.strided or t.is_meta:
+        raise TypeError(f"state[{key!r}] is a {t.layout} or meta tensor; export dense, "
+                        "materialized tensors")
+    return {"key": key, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "offset": [0] * t.dim(), "block": list(t.shape)}
+
+
+# -- plan ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """A block of ``key`` that ``rank`` sends (in plan order)."""
+
+    key: str
+    rank: int  # group rank
+    block: Block
+
+
+@dataclass
+class Entry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def plan_entries(described: list[list[dict[str, Any]]], dst_rank: int,
+                 ranks: list[int]) -> list[Entry]:
+    """The export plan from every rank's metadata (the same on every rank); ValueError if the
+    ranks disagree about a key or its blocks do not cover the tensor."""
+    order: list[str] = []
+    seen: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for r in [dst_rank] + [r for r in range(len(described)) if r != dst_rank]:
+        for meta in described[r]:
+            if meta["key"] not in seen:
+                seen[meta["key"]] = []
+                order.append(meta["key"])
+            seen[meta["key"]].append((r, meta))
+    entries = []
+    for key in order:
+        holders = sorted(seen[key], key=lambda rm: rm[0])
+        kinds = {(m["dtype"], tuple(m["shape"])) for _r, m in holders}
+        if len(kinds) > 1:
+            listing = "; ".join(f"rank {ranks[r]}: {m['dtype']} {tuple(m['shape'])}"
+                                for r, m in holders)
+            raise ValueError(f"state[{key!r}] differs between ranks ({listing}); every rank "
+                             "that holds a key must hold the same dtype and shape")
+        dtype_name, shape = kinds.pop()
+        entry = Entry(key, _DTYPE_BY_NAME[dtype_name], shape)
+        blocks: dict[Block, list[int]] = {}
+        for r, m in holders:
+            block = Block(tuple(m["offset"]), tuple(m["block"]))
+            if block.numel:
+                blocks.setdefault(block, []).append(r)
+        for block, owners in blocks.items():
+            sender = dst_rank if dst_rank in owners else owners[0]  # replicas cross once
+            entry.pieces.append(Piece(key, sender, block))
+        covered = sum(p.block.numel for p in entry.pieces)
+        if covered != math.prod(shape):
+            raise ValueError(f"state[{key!r}]: the ranks' blocks cover {covered} of "
+                             f"{math.prod(shape)} elements (overlapping or missing shards)")
+        entries.append(entry)
+    return entries
+
+
+def block_runs(block: Block, shape: tuple[int, ...], itemsize: int) -> list[tuple[int, int]]:
+    """``(byte offset in the full tensor, nbytes)`` of each contiguous run of ``block``, in
+    the block's own row-major order (the order its local bytes have)."""
+    ndim = len(shape)
+    if ndim == 0:
+        return [(0, itemsize)]
+    # Dims after j are whole: one run spans block.shape[j] * prod(shape[j+1:]) elements.
+    j = ndim - 1
+    while j > 0 and block.shape[j] == shape[j] and block.offset[j] == 0:
+        j -= 1
+    inner = math.prod(shape[j + 1:])
+    run = block.shape[j] * inner * itemsize
+    strides = [math.prod(shape[d + 1:]) for d in range(ndim)]
+    runs = []
+    outer = block.shape[:j]
+    for index in _indices(outer):
+        start = sum((block.offset[d] + index[d]) * strides[d] for d in range(j))
+        start += block.offset[j] * strides[j]
+        runs.append((start * itemsize, run))
+    return runs
+
+
+def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for n in shape:
+        out = [i + (k,) for i in out for k in range(n)]
+    return out
+
+
+# -- sinks: where dst puts the bytes ----------------------------------------------------------
+
+
+def parse_shard_size(value: int | str) -> int:
+    """``5GB`` / ``500MiB`` / ``1000`` -> bytes (HF's units: KB/MB/GB decimal, KiB/MiB/GiB)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {value}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", value.upper())
+        if m:
+            units = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+            n = int(float(m.group(1)) * units[m.group(2)])
+            if n > 0:
+                return n
+    raise ValueError(f"max_shard_size={value!r}: pass a positive int of bytes or a size such "
+                     "as '5GB' or '500MiB'")
+
+
+def layout_files(entries: list[Entry], max_shard: int) -> list[list[Entry]]:
+    """Keys into files in order, a new file when the next would pass ``max_shard`` (as HF)."""
+    files: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if files[-1] and size + e.nbytes > max_shard:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += e.nbytes
+    return files
+
+
+def safetensors_header(entries: list[Entry]) -> tuple[bytes, dict[str, int]]:
+    """A safetensors header for ``entries`` (in order) and each key's data offset in the file."""
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offsets, pos = {}, 0
+    for e in entries:
+        meta[e.key] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                       "data_offsets": [pos, pos + e.nbytes]}
+        offsets[e.key] = pos
+        pos += e.nbytes
+    raw = json.dumps(meta, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    head = len(raw).to_bytes(8, "little") + raw
+    return head, {k: v + len(head) for k, v in offsets.items()}
+
+
+class FileSink:
+    """Temporary safetensors files in the target directory, renamed into place on commit."""
+
+    def __init__(self, directory: str, files: list[list[Entry]]) -> None:
+        self.directory = directory
+        n = len(files)
+        self.names = [WEIGHTS_NAME] if n == 1 else [
+            f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.tmp = [os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+                    for name in self.names]
+        self.fds: list[int] = []
+        self.where: dict[str, tuple[int, int]] = {}  # key -> (fd, data offset)
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+        for name, path, group in zip(self.names, self.tmp, files):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            self.fds.append(fd)
+            head, offsets = safetensors_header(group)
+            os.pwrite(fd, head, 0)
+            for e in group:
+                self.where[e.key] = (fd, offsets[e.key])
+                self.weight_map[e.key] = name
+                self.total += e.nbytes
+
+    def write(self, key: str, offset: int, data: torch.Tensor) -> None:
+        fd, base = self.where[key]
+        view, done = _memoryview(data), 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], base + offset + done)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+
+    def abort(self) -> None:
+        self.close()
+        for path in self.tmp:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def commit(self, model: nn.Module | None) -> None:
+        for fd in self.fds:
+            os.fsync(fd)
+        self.close()
+        for path, name in zip(self.tmp, self.names):
+            os.replace(path, os.path.join(self.directory, name))
+        keep = set(self.names)
+        if len(self.names) > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+            _write_text(os.path.join(self.directory, INDEX_NAME), json.dumps(index, indent=2))
+            keep.add(INDEX_NAME)
+        for name in os.listdir(self.directory):  # stale shards of an earlier checkpoint
+            if (_SHARD_RE.match(name) or name == INDEX_NAME) and name not in keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.directory, name))
+        config = getattr(model, "config", None) if model is not None else None
+        if config is not None and hasattr(config, "to_json_string"):
+            _write_text(os.path.join(self.directory, "config.json"),
+                        config.to_json_string(use_diff=True))
+        generation = getattr(model, "generation_config", None) if model is not None else None
+        if generation is not None and hasattr(generation, "to_json_string"):
+            _write_text(os.path.join(self.directory, "generation_config.json"),
+                        generation.to_json_string(use_diff=True))
+
+
+def _write_text(path: str, text: str) -> None:
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class MemorySink:
+    """Full CPU tensors on dst, filled in place."""
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
+        self.flat = {k: t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+                     for k, t in self.tensors.items()}
+
+    def write(self, key: str, offset: int, data: torch.Tensor) -> None:
+        self.flat[key][offset : offset + data.numel()].copy_(data)
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+def _memoryview(t: torch.Tensor) -> memoryview:
+    """A memoryview of a contiguous uint8 CPU tensor's bytes (no copy, no numpy needed).
+
+    Lifetime: valid while ``t`` is alive and unresized; the caller holds ``t`` meanwhile.
+    """
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
+def _local_bytes(t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``t`` as flat uint8 CPU bytes (the DTensor's local shard)."""
+    dtensor = _dtensor_type()
+    local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+    local = local.detach()
+    if local.device.type != "cpu":
+        local = local.cpu()
+    return local.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _scatter(sink: Any, entry: Entry, block: Block, start: int, data: torch.Tensor) -> None:
+    """Writes ``data``, bytes ``[start, start + n)`` of ``block``'s local bytes, to its runs."""
+    cursor, end = 0, start + data.numel()
+    for offset, n in block_runs(block, entry.shape, entry.dtype.itemsize):
+        lo, hi = max(start, cursor), min(end, cursor + n)
+        if lo < hi:
+            sink.write(entry.key, offset + (lo - cursor), data[lo - start : hi - start])
+        cursor += n
+        if cursor >= end:
+            break
+
+
+def _stream(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]
+            ) -> Iterator[tuple[Entry, Piece, torch.Tensor]]:
+    """This rank's blocks in plan order, each made host bytes only when its turn comes."""
+    for e, p in pieces:
+        yield e, p, _local_bytes(state[e.key])
+
+
+def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
+              ctx: _agree.GroupContext, dst_rank: int, chunk: int, what: str) -> None:
+    """Moves every piece to dst's sink: dst's own directly, the others' over the link."""
+    me = ctx.rank
+    by_rank: dict[int, list[tuple[Entry, Piece]]] = {}
+    for e in entries:
+        for p in e.pieces:
+            by_rank.setdefault(p.rank, []).append((e, p))
+
+    def body(_worker: Any) -> None:
+        if me != dst_rank:
+            for _e, _p, data in _stream(state, by_rank.get(me, [])):
+                for s in range(0, data.numel(), chunk):
+                    dist.send(data[s : s + chunk], ctx.ranks[dst_rank], group=ctx.group)
+            return
+        failure: BaseException | None = None
+
+        def write(e: Entry, p: Piece, off: int, data: torch.Tensor) -> None:
+            # A sink that fails (a full disk) stops writing, but dst keeps receiving, so no
+            # sender is left blocked; the failure is raised once everything has arrived.
+            nonlocal failure
+            if failure is None:
+                try:
+                    _scatter(sink, e, p.block, off, data)
+                except BaseException as exc:  # noqa: BLE001
+                    failure = exc
+
+        for e, p, data in _stream(state, by_rank.get(me, [])):
+            write(e, p, 0, data)
+        # The others: one chunk from every sender at a time, written as it lands.
+        queues = {r: [(e, p) for e, p in items] for r, items in by_rank.items() if r != me}
+        buffers = {r: torch.empty(chunk, dtype=torch.uint8) for r in queues}
+        cursors = {r: [0, 0] for r in queues}  # piece index, byte offset in it
+        while queues:
+            works = []
+            for r in list(queues):
+                i, off = cursors[r]
+                e, p = queues[r][i]
+                n = min(chunk, p.block.numel * e.dtype.itemsize - off)
+                works.append((r, e, p, off, n, dist.irecv(buffers[r][:n], ctx.ranks[r],
+                                                          group=ctx.group)))
+            for r, e, p, off, n, work in works:
+                try:
+                    work.wait()
+                except BaseException as exc:  # noqa: BLE001 - names the sender
+                    raise _watch.PeerFailure(ctx.ranks[r], exc) from exc
+                write(e, p, off, buffers[r][:n])
+                off += n
+                if off >= p.block.numel * e.dtype.itemsize:
+                    cursors[r] = [cursors[r][0] + 1, 0]
+                    if cursors[r][0] >= len(queues[r]):
+                        del queues[r]
+                else:
+                    cursors[r] = [cursors[r][0], off]
+        if failure is not None:
+            raise failure
+
+    _watch.run_watched(body, ctx.ranks, what)
+
+
+def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup | None,
+            make_sink: Callable[[list[Entry]], Any], chunk_bytes: int | None, what: str
+            ) -> tuple[Any, nn.Module | None]:
+    """The rounds of the module docstring; returns (dst's committed-to-be sink, the model)."""
+    state, model = resolve_state(model_or_state)
+    chunk = EXPORT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
+    if chunk <= 0:
+        raise ValueError(f"{what}: chunk_bytes must be positive, got {chunk_bytes}")
+
+    def describe() -> list[dict[str, Any]]:
+        return [describe_entry(k, v) for k, v in state.items()]
+
+    if not runtime.is_initialized():
+        entries = plan_entries([describe()], 0, [0])
+        sink = make_sink(entries)
+        try:
+            for e in entries:
+                for p in e.pieces:
+                    _scatter(sink, e, p.block, 0, _local_bytes(state[e.key]))
+        except BaseException:
+            getattr(sink, "abort", lambda: None)()
+            raise
+        return sink, model
+    ctx = _agree.resolve_group(group, what)
+    dst_rank = ctx.group_rank_of(dst)
+    if dst_rank is None:
+        raise ValueError(f"{what}: dst={dst} is not a member of the group (global ranks "
+                         f"{ctx.ranks})")
+    with _watch.DeferredInterrupts() as deferred:
+        described = all_reduce(f"{what}: metadata", describe, list, group)
+        entries = plan_entries(described, dst_rank, ctx.ranks)  # the same on every rank
+        sink = None
+        try:
+            if ctx.rank == dst_rank:
+                sink = make_sink(entries)
+            prepared = _agree.Status()
+        except BaseException as exc:  # noqa: BLE001 - carried to every rank
+            prepared = _agree.Status.failed(exc)
+        _agree.raise_first_failure(f"{what} (preparing)", _agree.exchange(prepared, ctx, what),
+                                   ctx, prepared)
+        failure: BaseException | None = None
+        try:
+            _transfer(state, entries, sink, ctx, dst_rank, chunk, what)
+        except _watch.PeerFailure as exc:
+            if sink is not None:
+                getattr(sink, "abort", lambda: None)()
+            _watch.post_failure(exc.rank, f"its transfer failed: {exc.cause}")
+            raise RuntimeError(f"{what}: the transfer with rank {exc.rank} failed "
+                               f"({exc.cause}); the process group can no longer be used") from exc
+        except BaseException as exc:  # noqa: BLE001 - a full disk on dst: agreed below
+            failure = exc
+        failure = failure or deferred.take()
+        final = _agree.Status() if failure is None else _agree.Status.failed(failure)
+        try:
+            _agree.raise_first_failure(f"{what} (transfer)", _agree.exchange(final, ctx, what),
+                                       ctx, final)
+        except BaseException:
+            if sink is not None:
+                getattr(sink, "abort", lambda: None)()
+            raise
+    return sink, model
+
+
+def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.PathLike[str],
+                         dst: int = 0, group: dist.ProcessGroup | None = None, *,
+                         max_shard_size: int | str = "5GB",
+                         chunk_bytes: int | None = None) -> None:
+    """Writes a sharded model's full state as ONE Hugging Face checkpoint on global rank ``dst``.
+
+    Collective over ``group``. ``model_or_state`` is an ``nn.Module`` (its ``state_dict()``,
+    tied weights written once as ``save_pretrained`` does; ``config.json`` and
+    ``generation_config.json`` from its ``config``/``generation_config``) or a state dict.
+    DTensors (FSDP2 ``fully_shard`` with uneven or empty shards, ``Shard(d)``, ``Replicate``,
+    2-D meshes) are assembled from their local shards; a plain tensor every rank holds is
+    written once from one rank (dst's own copy if it has one) and its copies never cross the
+    link; a key only some ranks hold comes from one that holds it.
+
+    Output: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files of at most
+    ``max_shard_size`` each plus ``model.safetensors.index.json``, readable by
+    ``safetensors.safe_open`` and ``from_pretrained``.
+
+    Memory: dst never holds the model. Each file's header is computed from the metadata the
+    ranks exchange, and bytes are written to their place as they arrive: dst holds one
+    transport chunk per sender (``chunk_bytes``, default 16 MiB) plus metadata, and its own
+    blocks' bytes are written from its own tensors. A sender holds a contiguous CPU copy of
+    one of its blocks at a time only when the block is not already contiguous CPU memory
+    (GPU-resident shards are copied to the host block by block).
+
+    Failure: a bad entry (a ``Partial`` DTensor, a dtype safetensors cannot store, ranks that
+    disagree on a key's dtype or shape) raises on every rank before any byte moves; a failure
+    during the transfer (a full disk, a dead peer, Ctrl-C) makes every rank raise. Files are
+    written under temporary names in ``directory`` and renamed into place only when every
+    byte has landed, so no partial or mixed checkpoint is ever visible; stale shards of an
+    earlier checkpoint there are removed on success, as ``save_pretrained`` does.
+
+    Args:
+        model_or_state: The (sharded) model, or a state dict, on every rank of ``group``.
+        directory: Where dst writes (created if missing).
+        dst: The global rank that writes.
+        group: The process group (default: the world).
+        max_shard_size: The largest file, in bytes or as ``"5GB"``/``"500MiB"``.
+        chunk_bytes: Transport piece size (default 16 MiB).
+    """
+    what = "export_hf_checkpoint"
+    max_shard = parse_shard_size(max_shard_size)
+    path = os.fspath(directory)
+
+    def make_sink(entries: list[Entry]) -> FileSink:
+        os.makedirs(path, exist_ok=True)
+        return FileSink(path, layout_files(entries, max_shard))
+
+    sink, model = _export(model_or_state, dst, group, make_sink, chunk_bytes, what)
+    if sink is not None:
+        sink.commit(model)
+    if runtime.is_initialized():
+        runtime.barrier(group)  # the checkpoint is in place before any rank returns
+
+
+def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
+                      group: dist.ProcessGroup | None = None) -> dict | None:
+    """The full state of a sharded model (or state dict) as CPU tensors on ``dst``; None elsewhere.
+
+    Collective; the same inputs, keys, assembly and failure rules as
+    :func:`export_hf_checkpoint` (tied weights once). Memory on dst: the full state once (the
+    returned CPU tensors, filled in place) plus one transport chunk per sender; nothing else.
+    """
+    what = "gather_full_state"
+    sink, _model = _export(model_or_state, dst, group, MemorySink, None, what)
+    return None if sink is None else sink.tensors

@@ -1,0 +1,285 @@
+"""export_hf_checkpoint and gather_full_state on real gloo ranks (FSDP2 models, DTensors, plain
+state dicts), loaded back by safetensors and transformers, and their failure and memory rules."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import assert_all_ok, read_rss, run_ranks
+
+import distributed_ext as dx
+from distributed_ext import export as E
+
+pytest.importorskip("transformers", reason="the export tests build Hugging Face models")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
+
+
+def build(family: str, seed: int = 0):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=130, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+    if family == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    if family == "qwen2-tied":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=True))
+    if family == "qwen3-moe":
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    raise ValueError(family)
+
+
+def _input():
+    return torch.randint(0, 130, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _train_step(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(_input(), labels=_input()).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _export_fsdp2(family, out, max_shard):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = build(family)
+    dx.fsdp2_wrap(model)
+    _train_step(model)  # the shards now differ from any freshly built model
+    dx.export_hf_checkpoint(model, out, max_shard_size=max_shard)
+    with torch.no_grad():
+        logits = model(_input()).logits
+    reference = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True))
+    full = dx.gather_full_state(model)
+    if dist.get_rank() != 0:
+        return None
+    return logits, {k: v.clone() for k, v in reference.items()}, full
+
+
+@pytest.mark.parametrize("family, world, max_shard", [
+    ("llama", 2, "5GB"), ("qwen2-tied", 3, "40KB"), ("qwen3-moe", 2, 30_000)])
+def test_fsdp2_model_exports_one_checkpoint_that_loads_with_equal_logits(family, world,
+                                                                         max_shard, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "ckpt")
+    values = assert_all_ok(run_ranks(_export_fsdp2, world, family, out, max_shard, timeout=240))
+    logits, reference, full = values[0]
+    files = sorted(os.listdir(out))
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert "config.json" in files and not any(f.endswith(".tmp") for f in files)
+    if len(shards) > 1:
+        index = json.loads((tmp_path / "ckpt" / E.INDEX_NAME).read_text())
+        assert set(index["weight_map"].values()) == set(shards)
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                      for k, t in full.items())
+    written = {}
+    for name in shards:
+        with safe_open(os.path.join(out, name), "pt") as f:
+            keys = list(f.keys())
+            written.update({k: f.get_tensor(k) for k in keys})
+        data = sum(written[k].numel() * written[k].element_size() for k in keys)
+        # At most max_shard_size of tensors per file, unless one tensor alone is larger (as HF).
+        assert len(keys) == 1 or data <= E.parse_shard_size(max_shard), (name, data)
+    if family == "qwen2-tied":
+        assert "lm_head.weight" not in written  # tied: written once, re-tied on load
+    assert set(written) == set(full)
+    for k, v in written.items():  # byte for byte what torch's full-state route gives
+        assert torch.equal(v, reference[k]) and torch.equal(full[k], reference[k]), k
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(loaded(_input()).logits, logits)
+
+
+def _plain_state(out):
+    r = dist.get_rank()
+    sent = []
+    real_send = E.dist.send
+    E.dist.send = lambda t, *a, **k: (sent.append(t.numel()), real_send(t, *a, **k))[1]
+    state = {
+        "shared.bias": torch.arange(1000, dtype=torch.float32),  # every rank: written once
+        f"rank{r}.only": torch.full((300,), float(r), dtype=torch.bfloat16),
+        "fp8": torch.linspace(-2, 2, 64).to(torch.float8_e4m3fn),
+    }
+    try:
+        dx.export_hf_checkpoint(state, out)
+    finally:
+        E.dist.send = real_send
+    return sum(sent)
+
+
+def test_plain_state_replicas_never_cross_the_link_and_unique_keys_come_from_their_rank(tmp_path):
+    out = str(tmp_path / "plain")
+    sent = assert_all_ok(run_ranks(_plain_state, 3, out))
+    assert sent[0] == 0  # dst sends nothing
+    assert sent[1] == sent[2] == 300 * 2  # only its own bf16 key: no replicated bytes
+    written = safetensors_torch.load_file(os.path.join(out, E.WEIGHTS_NAME))
+    assert torch.equal(written["shared.bias"], torch.arange(1000, dtype=torch.float32))
+    for r in range(3):
+        assert torch.equal(written[f"rank{r}.only"], torch.full((300,), float(r),
+                                                                dtype=torch.bfloat16))
+    assert written["fp8"].dtype == torch.float8_e4m3fn
+    assert torch.equal(written["fp8"].view(torch.uint8),
+                       torch.linspace(-2, 2, 64).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def _dtensors(out, kind):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    full = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)
+    if kind == "shard1":
+        mesh = init_device_mesh("cpu", (world,))
+        state = {"w": distribute_tensor(full, mesh, [Shard(1)]),
+                 "r": distribute_tensor(full[0], mesh, [Replicate()])}
+    elif kind == "hsdp":  # (Replicate, Shard(0)) on a 2 x 2 mesh
+        mesh = init_device_mesh("cpu", (2, world // 2))
+        state = {"w": distribute_tensor(full, mesh, [Replicate(), Shard(0)])}
+    else:  # FSDP + TP: (Shard(0), Shard(1))
+        mesh = init_device_mesh("cpu", (2, world // 2))
+        state = {"w": distribute_tensor(full, mesh, [Shard(0), Shard(1)])}
+    dx.export_hf_checkpoint(state, out)
+    got = dx.gather_full_state(state)
+    return None if got is None else {k: v.tolist() for k, v in got.items()}
+
+
+@pytest.mark.parametrize("kind, world", [("shard1", 3), ("hsdp", 4), ("fsdp_tp", 4)])
+def test_dtensor_placements_assemble(kind, world, tmp_path):
+    out = str(tmp_path / kind)
+    values = assert_all_ok(run_ranks(_dtensors, world, out, kind, timeout=120))
+    full = torch.arange(120, dtype=torch.float32).reshape(12, 10)
+    written = safetensors_torch.load_file(os.path.join(out, E.WEIGHTS_NAME))
+    assert torch.equal(written["w"], full) and values[0]["w"] == full.tolist()
+    if kind == "shard1":
+        assert torch.equal(written["r"], full[0])
+
+
+def _bad_entry(out, kind):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    r = dist.get_rank()
+    if kind == "shape":
+        state = {"w": torch.zeros(4 if r == 0 else 5)}
+    elif kind == "dtype":
+        state = {"w": torch.zeros(4, dtype=torch.complex128 if r == 1 else torch.float32)}
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        state = {"w": DTensor.from_local(torch.ones(3), mesh, [Partial()])}
+    try:
+        dx.export_hf_checkpoint(state, out)
+        return ("ok",)
+    except Exception as exc:
+        return ("raised", type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("kind, own, text", [
+    ("shape", "ValueError", "state['w'] differs between ranks (rank 0: float32 (4,); rank 1: "),
+    ("dtype", "TypeError", "complex128"),
+    ("partial", "ValueError", "Partial placement"),
+])
+def test_bad_entries_raise_on_every_rank_before_any_byte_moves(kind, own, text, tmp_path):
+    out = tmp_path / "bad"
+    out.mkdir()
+    (out / "keep.txt").write_text("untouched")
+    values = assert_all_ok(run_ranks(_bad_entry, 2, str(out), kind))
+    for r, v in enumerate(values):
+        assert v[0] == "raised", v
+        if kind == "dtype" and r == 0:
+            assert v[1] == "RuntimeError" and "rank 1 failed with TypeError" in v[2]
+        else:
+            assert v[1] == own and text in v[2], v
+    assert sorted(os.listdir(out)) == ["keep.txt"]  # nothing written, nothing removed
+
+
+def _disk_fills(out):
+    if dist.get_rank() == 0:
+        real = E.FileSink.write
+        calls = []
+
+        def full(self, key, offset, data):
+            calls.append(key)
+            if len(calls) > 3:
+                raise OSError(28, "No space left on device")
+            real(self, key, offset, data)
+
+        E.FileSink.write = full
+    state = {f"w{i}": torch.full((50_000,), float(i)) for i in range(6)} if dist.get_rank() \
+        else {}
+    try:
+        dx.export_hf_checkpoint(state, out, chunk_bytes=64 * 1024)
+        first = ("ok",)
+    except Exception as exc:
+        first = ("raised", type(exc).__name__, str(exc))
+    # The group is usable at once.
+    return first, dx.all_reduce("after", lambda: 1, sum)
+
+
+def test_a_disk_that_fills_fails_every_rank_and_leaves_the_directory_as_it_was(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    old = b"an earlier checkpoint"
+    (out / "model.safetensors").write_bytes(old)
+    values = assert_all_ok(run_ranks(_disk_fills, 2, str(out)))
+    assert values[0][0][:2] == ("raised", "OSError")
+    assert values[1][0][:2] == ("raised", "RuntimeError") and "rank 0 failed with OSError" in (
+        values[1][0][2])
+    assert all(after == 2 for _first, after in values)
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == old
+
+
+def test_stale_shards_of_an_earlier_checkpoint_are_removed(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    for name in ("model-00001-of-00003.safetensors", "model.safetensors.index.json"):
+        (out / name).write_text("stale")
+    (out / "tokenizer.json").write_text("{}")
+    dx.export_hf_checkpoint({"w": torch.ones(3)}, str(out))  # a single process
+    assert sorted(os.listdir(out)) == ["model.safetensors", "tokenizer.json"]
+    assert torch.equal(safetensors_torch.load_file(str(out / "model.safetensors"))["w"],
+                       torch.ones(3))
+
+
+def test_max_shard_size_and_chunk_are_checked():
+    for bad in (0, -1, "lots", "5XB"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            E.parse_shard_size(bad)
+    assert E.parse_shard_size("5GB") == 5 * 10**9 and E.parse_shard_size("500MiB") == 500 * 2**20
+
+
+def _peak_during_export(out, nbytes):
+    import threading
+
+    r = dist.get_rank()
+    state = {f"layer{i}.{r}": torch.full((nbytes // 4 // 8,), float(i)) for i in range(8)}
+    peak, stop = [read_rss()], threading.Event()
+
+    def sample():
+        while not stop.wait(0.005):
+            peak.append(read_rss())
+
+    before = read_rss()
+    t = threading.Thread(target=sample)
+    t.start()
+    dx.export_hf_checkpoint(state, out)
+    stop.set()
+    t.join()
+    return max(peak) - before
+
+
+def test_dst_memory_stays_a_few_chunks_whatever_the_model_size(tmp_path):
+    size = 192 * 2**20  # per rank; dst receives 384 MiB from the others
+    grown = assert_all_ok(run_ranks(_peak_during_export, 3, str(tmp_path / "big"), size,
+                                    timeout=240))
+    # dst: a 16 MiB chunk per sender plus metadata and page cache noise, never the model.
+    assert grown[0] < 96 * 2**20, grown[0] / 2**20
+    assert os.path.getsize(tmp_path / "big" / E.WEIGHTS_NAME) > 3 * size - 2**20
