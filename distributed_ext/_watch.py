@@ -117,6 +117,15 @@ def posted_failure() -> tuple[int, int, str] | None:
         return None
 
 
+class LocalFailure(Exception):
+    """Raised by a worker's body for a failure of this rank's own (not the transport's):
+    raised in the caller as ``cause``, with no dead peer to look for."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class PeerFailure(RuntimeError):
     """A transfer with global rank ``rank`` failed: the transport lost that peer."""
 
@@ -316,6 +325,8 @@ def _await(events: queue.SimpleQueue, error_of: Callable[[], BaseException | Non
 def _raise_worker_error(error: BaseException, liveness: _Liveness | None, ranks: list[int],
                         what: str) -> None:
     """Raises ``error``, naming the dead rank behind a transport error where one is found."""
+    if isinstance(error, LocalFailure):
+        raise error.cause
     if isinstance(error, PeerFailure) or not isinstance(error, RuntimeError):
         raise error  # not a transport error (gloo's are RuntimeErrors): nothing to attribute
     # A transport error names an address at best; find the rank whose death caused it:

@@ -30,7 +30,7 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,6 +300,8 @@ class FileSink:
 
     def __init__(self, directory: str, files: list[list[Entry]]) -> None:
         self.directory = directory
+        self.created = not os.path.isdir(directory)
+        os.makedirs(directory, exist_ok=True)
         n = len(files)
         self.names = [WEIGHTS_NAME] if n == 1 else [
             f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -332,10 +334,14 @@ class FileSink:
         self.fds = []
 
     def abort(self) -> None:
+        """Removes the temporary files (and the directory if this export created it)."""
         self.close()
         for path in self.tmp:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        if self.created:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.directory)  # only if still empty
 
     def commit(self, model: nn.Module | None) -> None:
         for fd in self.fds:
@@ -422,13 +428,6 @@ def _scatter(sink: Any, entry: Entry, block: Block, start: int, data: torch.Tens
             break
 
 
-def _stream(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]
-            ) -> Iterator[tuple[Entry, Piece, torch.Tensor]]:
-    """This rank's blocks in plan order, each made host bytes only when its turn comes."""
-    for e, p in pieces:
-        yield e, p, _local_bytes(state[e.key])
-
-
 def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
               ctx: _agree.GroupContext, dst_rank: int, chunk: int, what: str) -> None:
     """Moves every piece to dst's sink: dst's own directly, the others' over the link."""
@@ -440,9 +439,28 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
 
     def body(_worker: Any) -> None:
         if me != dst_rank:
-            for _e, _p, data in _stream(state, by_rank.get(me, [])):
-                for s in range(0, data.numel(), chunk):
-                    dist.send(data[s : s + chunk], ctx.ranks[dst_rank], group=ctx.group)
+            # A sender that fails mid-stream (a shard that cannot be read) keeps the stream's
+            # shape -- zeros for the rest, never committed -- so dst is not left waiting; the
+            # failure is raised once every byte has been sent, and agreed in the final round.
+            failure: BaseException | None = None
+            zeros: torch.Tensor | None = None
+            for e, p in by_rank.get(me, []):
+                nbytes = p.block.numel * e.dtype.itemsize
+                data = None
+                if failure is None:
+                    try:
+                        data = _local_bytes(state[e.key])
+                    except BaseException as exc:  # noqa: BLE001
+                        failure = exc
+                if data is None:
+                    if zeros is None:
+                        zeros = torch.zeros(chunk, dtype=torch.uint8)
+                for s in range(0, nbytes, chunk):
+                    n = min(chunk, nbytes - s)
+                    piece = data[s : s + n] if data is not None else zeros[:n]  # type: ignore[index]
+                    dist.send(piece, ctx.ranks[dst_rank], group=ctx.group)
+            if failure is not None:
+                raise _watch.LocalFailure(failure)
             return
         failure: BaseException | None = None
 
@@ -456,7 +474,12 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 except BaseException as exc:  # noqa: BLE001
                     failure = exc
 
-        for e, p, data in _stream(state, by_rank.get(me, [])):
+        for e, p in by_rank.get(me, []):
+            try:
+                data = _local_bytes(state[e.key])
+            except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
+                failure = failure or exc
+                continue
             write(e, p, 0, data)
         # The others: one chunk from every sender at a time, written as it lands.
         queues = {r: [(e, p) for e, p in items] for r, items in by_rank.items() if r != me}
@@ -484,7 +507,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 else:
                     cursors[r] = [cursors[r][0], off]
         if failure is not None:
-            raise failure
+            raise _watch.LocalFailure(failure)
 
     _watch.run_watched(body, ctx.ranks, what)
 
@@ -597,7 +620,6 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     path = os.fspath(directory)
 
     def make_sink(entries: list[Entry]) -> FileSink:
-        os.makedirs(path, exist_ok=True)
         return FileSink(path, layout_files(entries, max_shard))
 
     sink, model = _export(model_or_state, dst, group, make_sink, chunk_bytes, what)

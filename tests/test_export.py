@@ -283,3 +283,39 @@ def test_dst_memory_stays_a_few_chunks_whatever_the_model_size(tmp_path):
     # dst: a 16 MiB chunk per sender plus metadata and page cache noise, never the model.
     assert grown[0] < 96 * 2**20, grown[0] / 2**20
     assert os.path.getsize(tmp_path / "big" / E.WEIGHTS_NAME) > 3 * size - 2**20
+
+
+def _sender_fails_mid_stream(out):
+    r = dist.get_rank()
+    if r == 1:
+        real, calls = E._local_bytes, []
+
+        def flaky(t):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("shard 3 is unreadable")
+            return real(t)
+
+        E._local_bytes = flaky
+    state = {f"r{r}.w{i}": torch.full((40_000,), float(i)) for i in range(6)}
+    try:
+        dx.export_hf_checkpoint(state, out, chunk_bytes=32 * 1024)
+        first = ("ok",)
+    except Exception as exc:
+        first = ("raised", type(exc).__name__, str(exc))
+    return first, dx.all_reduce("after", lambda: 1, sum)
+
+
+def test_a_rank_failing_mid_transfer_fails_every_rank_and_writes_nothing(tmp_path):
+    import time
+
+    out = tmp_path / "ckpt"
+    t0 = time.monotonic()
+    values = assert_all_ok(run_ranks(_sender_fails_mid_stream, 3, str(out)))
+    assert time.monotonic() - t0 < 30
+    assert values[1][0] == ("raised", "RuntimeError", "shard 3 is unreadable")
+    for r in (0, 2):
+        assert values[r][0][:2] == ("raised", "RuntimeError")
+        assert "rank 1 failed with RuntimeError: shard 3 is unreadable" in values[r][0][2]
+    assert all(after == 3 for _first, after in values)
+    assert not out.exists()  # it did not exist before: it does not now
