@@ -311,15 +311,19 @@ class FileSink:
         self.where: dict[str, tuple[int, int]] = {}  # key -> (fd, data offset)
         self.weight_map: dict[str, str] = {}
         self.total = 0
-        for name, path, group in zip(self.names, self.tmp, files):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            self.fds.append(fd)
-            head, offsets = safetensors_header(group)
-            os.pwrite(fd, head, 0)
-            for e in group:
-                self.where[e.key] = (fd, offsets[e.key])
-                self.weight_map[e.key] = name
-                self.total += e.nbytes
+        try:
+            for name, path, group in zip(self.names, self.tmp, files):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                self.fds.append(fd)
+                head, offsets = safetensors_header(group)
+                os.pwrite(fd, head, 0)
+                for e in group:
+                    self.where[e.key] = (fd, offsets[e.key])
+                    self.weight_map[e.key] = name
+                    self.total += e.nbytes
+        except BaseException:
+            self.abort()  # no temporary file outlives a failed start
+            raise
 
     def write(self, key: str, offset: int, data: torch.Tensor) -> None:
         fd, base = self.where[key]
