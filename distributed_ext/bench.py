@@ -20,6 +20,7 @@ Workloads (``--size`` per rank):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import io
 import json
@@ -35,7 +36,7 @@ from typing import Any
 from distributed_ext._spawn import run_local
 from distributed_ext._timing import Timing, time_calls
 
-WORKLOADS = ("bytes", "state-dict")
+WORKLOADS = ("bytes", "state-dict", "export")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,
           "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -75,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--size", type=parse_size, nargs="+", default=[parse_size("256MiB")],
                     help="bytes per rank, with units: 256MiB (default), 1GiB, ...; several "
                     "sizes run one after the other (e.g. --size 256MiB 64MiB)")
-    ap.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
+    ap.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all",
+                    help="all = bytes and state-dict; export (an FSDP2 model to one Hugging "
+                    "Face checkpoint, --size = the model's parameter bytes) runs when named")
     ap.add_argument("--repeat", type=int, default=5,
                     help="warm calls after the first, per method (default 5)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch baselines")
@@ -103,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ImportError:
             ap.error("--plot needs matplotlib: pip install 'distributed_ext[plot]' (or "
                      "pip install matplotlib)")
-    args.workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    args.workloads = ["bytes", "state-dict"] if args.workload == "all" else [args.workload]
     args.sizes = list(args.size)
     return args
 
@@ -266,9 +269,14 @@ def make_state(nbytes: int, seed: int = 0) -> dict:
 METHODS = {
     "bytes": ["distributed_ext", "raw gloo send/recv", "torch gather_object", "first-touch floor"],
     "state-dict": ["distributed_ext", "torch save+gather_object+load"],
+    "export": ["distributed_ext", "torch get_model_state_dict+save_pretrained",
+               "torch dcp HuggingFaceStorageWriter", "disk write+fsync"],
 }
-BASELINE = {"bytes": "torch gather_object", "state-dict": "torch save+gather_object+load"}
-_TORCH_METHODS = {"torch gather_object", "torch save+gather_object+load"}
+BASELINE = {"bytes": "torch gather_object", "state-dict": "torch save+gather_object+load",
+            "export": "torch get_model_state_dict+save_pretrained"}
+_TORCH_METHODS = {"torch gather_object", "torch save+gather_object+load",
+                  "torch get_model_state_dict+save_pretrained",
+                  "torch dcp HuggingFaceStorageWriter"}
 
 
 def resolve_methods(workload: str, baseline: bool, backend: str = "gloo") -> list[str]:
@@ -277,7 +285,8 @@ def resolve_methods(workload: str, baseline: bool, backend: str = "gloo") -> lis
     if not baseline:
         methods = [m for m in methods if m not in _TORCH_METHODS]
     if backend != "gloo":  # raw send/recv of host tensors and the host floor are gloo figures
-        methods = [m for m in methods if m in ("distributed_ext", *_TORCH_METHODS)]
+        methods = [m for m in methods
+                   if m in ("distributed_ext", "disk write+fsync", *_TORCH_METHODS)]
     return methods
 
 
@@ -316,6 +325,8 @@ def _call(workload: str, method: str, data: Any, rank: int, world: int, dst: int
 
     import distributed_ext as dx
 
+    if workload == "export":
+        return _export_call(method, data, rank, dst)
     if method == "distributed_ext":
         if workload == "bytes":
             kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
@@ -354,6 +365,94 @@ def _call(workload: str, method: str, data: Any, rank: int, world: int, dst: int
     return rank != dst or got == [len(data)] * world
 
 
+def build_export_model(nbytes: int) -> Any:
+    """An FSDP2-wrapped Llama-shaped model of about ``nbytes`` of fp32 parameters, from a
+    config (hidden 1024, intermediate 2816, vocab 32000, untied; a quarter of each below
+    512 MiB), built alike on every rank."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import distributed_ext as dx
+
+    h, i, v = (1024, 2816, 32000) if nbytes >= 512 * 2**20 else (256, 704, 8000)
+    per_layer = 4 * (2 * h * h + 2 * h * h // 4 + 3 * h * i)  # q,o + k,v (4 kv heads) + mlp
+    layers = max(1, round((nbytes - 4 * 2 * v * h) / per_layer))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=i,
+                         num_hidden_layers=layers, num_attention_heads=h // 64,
+                         num_key_value_heads=h // 256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    dx.fsdp2_wrap(model)
+    return model
+
+
+def _export_call(method: str, model: Any, rank: int, dst: int) -> bool:
+    """One export into a fresh directory next to the system's temp dir, removed afterwards."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    import distributed_ext as dx
+
+    base = os.environ.get("DEXT_BENCH_DIR") or tempfile.gettempdir()
+    out = os.path.join(base, f"dext-export-{os.getpid() if rank == dst else 'x'}")
+    # Every rank must name the same directory for DCP: dst's choice is broadcast.
+    out = dx.broadcast(out, src=dst) if dist.is_initialized() else out
+    try:
+        if method == "distributed_ext":
+            dx.export_hf_checkpoint(model, out, dst=dst)
+        elif method == "torch get_model_state_dict+save_pretrained":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                      cpu_offload=True))
+            if rank == dst:
+                model.save_pretrained(out, state_dict=sd)
+            del sd
+            dist.barrier()
+        elif method == "torch dcp HuggingFaceStorageWriter":
+            import torch.distributed.checkpoint as dcp
+
+            writer = dcp.HuggingFaceStorageWriter(out, save_distributed=True,
+                                                  enable_consolidation=True)
+            dcp.save(model.state_dict(), storage_writer=writer)
+            dist.barrier()
+        else:  # the disk's own sequential write rate for the same bytes, dst only
+            if rank == dst:
+                nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * \
+                    dist.get_world_size()
+                _write_sequential(os.path.join(base, f"dext-disk-{os.getpid()}"), nbytes)
+            dist.barrier()
+        return True
+    finally:
+        if rank == dst:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _write_sequential(path: str, nbytes: int) -> None:
+    block = bytearray(16 * 2**20)
+    try:
+        with open(path, "wb") as f:
+            for start in range(0, nbytes, len(block)):
+                f.write(memoryview(block)[: min(len(block), nbytes - start)])
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def all_reduce_sum(value: int) -> int:
+    """A sum over the ranks (the default group)."""
+    import distributed_ext as dx
+
+    return int(dx.all_reduce("bench sum", lambda: value, sum))
+
+
 def _payload(size: int, rank: int) -> bytearray:
     import torch
 
@@ -372,9 +471,19 @@ def measure(workload: str, method: str, size: int, repeat: int, show_progress: b
     import torch.distributed as dist
 
     rank, world, dst = dist.get_rank(), dist.get_world_size(), 0
-    data: Any = _payload(size, rank) if workload == "bytes" else make_state(size, seed=rank)
-    moved = (sum(t.numel() * t.element_size() for t in data.values())
-             if isinstance(data, dict) else len(data))
+    if workload == "export":
+        data: Any = build_export_model(size)
+        # The checkpoint's bytes; a rank's share of them is what its shards hold.
+        moved = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local")
+                    else p.numel() * p.element_size() for p in data.parameters())
+        moved = all_reduce_sum(moved)
+        moved //= world
+    elif workload == "bytes":
+        data = _payload(size, rank)
+        moved = len(data)
+    else:
+        data = make_state(size, seed=rank)
+        moved = sum(t.numel() * t.element_size() for t in data.values())
     show = show_progress and rank == dst
     peaks: list[int] = []
     checks: list[bool] = []
@@ -401,7 +510,8 @@ def measure(workload: str, method: str, size: int, repeat: int, show_progress: b
         raise RuntimeError(f"{workload} ({method}): a wrong result on rank {rank}")
     if rank != dst:
         return None
-    received = (world - 1) * moved  # the floor too: a like-for-like rate
+    # GB/s numerator: what dst receives from the others (the whole checkpoint for export).
+    received = world * moved if workload == "export" else (world - 1) * moved
     return asdict(Result(workload, method, world, moved, received, timing.first, timing.warm,
                          peaks, fresh_ranks))
 
@@ -435,17 +545,49 @@ def format_table(results: list[Result]) -> str:
             f"| {r.workload} | {r.world} | {format_size(r.size)} | {r.method} | {t.first:.3f} | "
             f"{t.median:.3f} | {t.low:.3f}-{t.high:.3f} | {r.gbps_first:.2f} / "
             f"{r.gbps_warm:.2f} | {vs} | +{format_size(max(r.dst_peak_rss or [0]))} |")
-    lines.append("\n*GB/s: bytes dst receives from the other ranks per second of dst's wall "
-                 "time (barrier to return); warm = the median of the warm calls.")
+    lines.append("\n*GB/s: bytes dst receives from the other ranks (for export: the "
+                 "checkpoint's bytes) per second of dst's wall time (barrier to return); warm = "
+                 "the median of the warm calls.")
     return "\n".join(lines)
 
 
 def check_targets(results: list[Result]) -> list[str]:
-    """The targets of issue 11 that this run can judge, per size, each with its verdict."""
-    out = []
+    """The targets of issues 11 and 12 that this run can judge, per size, with verdicts."""
+    out = _export_targets([r for r in results if r.workload == "export"])
     for size in sorted({r.size for r in results if r.workload == "bytes"}, reverse=True):
         out += _targets_at([r for r in results if r.size == size or r.workload != "bytes"],
                            format_size(size))
+    return out
+
+
+def _export_targets(results: list[Result]) -> list[str]:
+    out = []
+    for size in sorted({r.size for r in results}, reverse=True):
+        rows = {r.method: r for r in results if r.size == size}
+        ours = rows.get("distributed_ext")
+        if ours is None:
+            continue
+        label = f"export {format_size(size * ours.world)} model"
+        torch_rows = [rows[m] for m in ("torch get_model_state_dict+save_pretrained",
+                                        "torch dcp HuggingFaceStorageWriter") if m in rows]
+        if torch_rows:
+            best = min(r.first for r in torch_rows)
+            ratio = best / ours.first
+            out.append(f"{'met ' if ratio >= 2 else 'MISSED'} [{label}] first call vs the faster "
+                       f"torch route: {ratio:.2f}x (target >= 2x)")
+        b = rows.get("torch get_model_state_dict+save_pretrained")
+        peak = max(ours.dst_peak_rss or [0])
+        if b is not None:
+            quarter = max(b.dst_peak_rss or [0]) / 4
+            out.append(f"{'met ' if peak <= quarter else 'MISSED'} [{label}] dst peak RSS growth "
+                       f"{format_size(peak)} vs 1/4 of route (b)'s: {format_size(quarter)}")
+        out.append(f"{'met ' if peak <= 512 * 2**20 else 'MISSED'} [{label}] dst peak RSS "
+                   f"growth {format_size(peak)} (target <= 512 MiB)")
+        disk = rows.get("disk write+fsync")
+        if disk is not None:
+            ratio = disk.first / ours.first
+            out.append(f"{'met ' if ratio >= 0.7 else 'MISSED'} [{label}] write rate vs the "
+                       f"disk's: {ratio:.2f}x (target >= 0.7x)")
     return out
 
 
@@ -578,7 +720,12 @@ def touch_machine_memory(nbytes: int) -> None:
 
 def spawn_local(args: argparse.Namespace) -> int:
     biggest = max(args.sizes)
-    check_memory(biggest, args.world, not args.no_baseline)
+    if args.workloads != ["export"]:
+        check_memory(biggest, args.world, not args.no_baseline)
+    if "export" in args.workloads:  # the first write through the page cache, as for memory
+        _write_sequential(os.path.join(os.environ.get("DEXT_BENCH_DIR") or
+                                       __import__("tempfile").gettempdir(),
+                                       f"dext-warm-{os.getpid()}"), biggest)
     touch_machine_memory(estimate_peak_bytes(biggest, args.world, not args.no_baseline))
     show = not args.quiet and sys.stderr.isatty()
     results: list[Result] = []

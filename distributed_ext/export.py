@@ -23,6 +23,7 @@ The flow, on every rank of the group:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import json
@@ -432,6 +433,11 @@ def _scatter(sink: Any, entry: Entry, block: Block, start: int, data: torch.Tens
             break
 
 
+# Buffers of receives that were posted when a peer failed: gloo may still write into them,
+# so they are never freed (the group is unusable by then anyway).
+_ABANDONED: list[Any] = []
+
+
 def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
               ctx: _agree.GroupContext, dst_rank: int, chunk: int, what: str) -> None:
     """Moves every piece to dst's sink: dst's own directly, the others' over the link."""
@@ -448,6 +454,14 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             # failure is raised once every byte has been sent, and agreed in the final round.
             failure: BaseException | None = None
             zeros: torch.Tensor | None = None
+            in_flight: collections.deque = collections.deque()
+
+            def _wait_send(work: Any) -> None:
+                try:
+                    work.wait()
+                except BaseException as exc:  # noqa: BLE001 - names the receiver
+                    _ABANDONED.append(in_flight)
+                    raise _watch.PeerFailure(ctx.ranks[dst_rank], exc) from exc
             for e, p in by_rank.get(me, []):
                 nbytes = p.block.numel * e.dtype.itemsize
                 data = None
@@ -462,7 +476,11 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 for s in range(0, nbytes, chunk):
                     n = min(chunk, nbytes - s)
                     piece = data[s : s + n] if data is not None else zeros[:n]  # type: ignore[index]
-                    dist.send(piece, ctx.ranks[dst_rank], group=ctx.group)
+                    if len(in_flight) == 2:
+                        _wait_send(in_flight.popleft())
+                    in_flight.append(dist.isend(piece, ctx.ranks[dst_rank], group=ctx.group))
+            while in_flight:
+                _wait_send(in_flight.popleft())
             if failure is not None:
                 raise _watch.LocalFailure(failure)
             return
@@ -478,6 +496,27 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 except BaseException as exc:  # noqa: BLE001
                     failure = exc
 
+        # Two receives in flight per sender, posted before dst writes its own blocks, so the
+        # link, the writes and the senders all keep busy; each chunk is written as it lands.
+        plans: dict[int, collections.deque] = {}
+        for r, items in by_rank.items():
+            if r == me:
+                continue
+            plans[r] = collections.deque(
+                (e, p, off, min(chunk, p.block.numel * e.dtype.itemsize - off))
+                for e, p in items for off in range(0, p.block.numel * e.dtype.itemsize, chunk))
+        free = {r: [torch.empty(chunk, dtype=torch.uint8) for _ in range(2)] for r in plans}
+        pending: dict[int, collections.deque] = {r: collections.deque() for r in plans}
+
+        def post(r: int) -> None:
+            while plans[r] and free[r]:
+                e, p, off, n = plans[r].popleft()
+                buf = free[r].pop()
+                work = dist.irecv(buf[:n], ctx.ranks[r], group=ctx.group)
+                pending[r].append((work, buf, e, p, off, n))
+
+        for r in plans:
+            post(r)
         for e, p in by_rank.get(me, []):
             try:
                 data = _local_bytes(state[e.key])
@@ -485,31 +524,20 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 failure = failure or exc
                 continue
             write(e, p, 0, data)
-        # The others: one chunk from every sender at a time, written as it lands.
-        queues = {r: [(e, p) for e, p in items] for r, items in by_rank.items() if r != me}
-        buffers = {r: torch.empty(chunk, dtype=torch.uint8) for r in queues}
-        cursors = {r: [0, 0] for r in queues}  # piece index, byte offset in it
-        while queues:
-            works = []
-            for r in list(queues):
-                i, off = cursors[r]
-                e, p = queues[r][i]
-                n = min(chunk, p.block.numel * e.dtype.itemsize - off)
-                works.append((r, e, p, off, n, dist.irecv(buffers[r][:n], ctx.ranks[r],
-                                                          group=ctx.group)))
-            for r, e, p, off, n, work in works:
+        while any(pending.values()):
+            for r in plans:
+                if not pending[r]:
+                    continue
+                work, buf, e, p, off, n = pending[r].popleft()
                 try:
                     work.wait()
                 except BaseException as exc:  # noqa: BLE001 - names the sender
+                    # Receives still posted keep writing into their buffers: keep them alive.
+                    _ABANDONED.append((pending, free))
                     raise _watch.PeerFailure(ctx.ranks[r], exc) from exc
-                write(e, p, off, buffers[r][:n])
-                off += n
-                if off >= p.block.numel * e.dtype.itemsize:
-                    cursors[r] = [cursors[r][0] + 1, 0]
-                    if cursors[r][0] >= len(queues[r]):
-                        del queues[r]
-                else:
-                    cursors[r] = [cursors[r][0], off]
+                write(e, p, off, buf[:n])
+                free[r].append(buf)
+                post(r)
         if failure is not None:
             raise _watch.LocalFailure(failure)
 
@@ -598,8 +626,8 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     ``safetensors.safe_open`` and ``from_pretrained``.
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
-    ranks exchange, and bytes are written to their place as they arrive: dst holds one
-    transport chunk per sender (``chunk_bytes``, default 16 MiB) plus metadata, and its own
+    ranks exchange, and bytes are written to their place as they arrive: dst holds two
+    transport chunks per sender (``chunk_bytes``, default 16 MiB) plus metadata, and its own
     blocks' bytes are written from its own tensors. A sender holds a contiguous CPU copy of
     one of its blocks at a time only when the block is not already contiguous CPU memory
     (GPU-resident shards are copied to the host block by block).
@@ -639,7 +667,7 @@ def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
 
     Collective; the same inputs, keys, assembly and failure rules as
     :func:`export_hf_checkpoint` (tied weights once). Memory on dst: the full state once (the
-    returned CPU tensors, filled in place) plus one transport chunk per sender; nothing else.
+    returned CPU tensors, filled in place) plus two transport chunks per sender; nothing else.
     """
     what = "gather_full_state"
     sink, _model = _export(model_or_state, dst, group, MemorySink, None, what)

@@ -200,3 +200,17 @@ def test_progress_bar_draws_and_finishes(capsys):
     quiet = bench.ProgressBar("x", enabled=False)
     quiet(1, 2)
     assert capsys.readouterr().err == ""
+
+
+def test_export_workload_reports_ours_beside_torchs_routes_and_the_disk(tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setenv("DEXT_BENCH_DIR", str(tmp_path))
+    code = bench.main(["--world", "2", "--workload", "export", "--size", "24MiB", "--repeat",
+                       "1", "--quiet", "--json", str(tmp_path / "e.json"), "--timeout", "200"])
+    assert code == 0
+    rows = json.loads((tmp_path / "e.json").read_text())["results"]
+    assert [r["method"] for r in rows] == bench.METHODS["export"]
+    assert all(r["first"] > 0 and r["received"] > 20 * 2**20 for r in rows)
+    out = capsys.readouterr().out
+    assert "first call vs the faster torch route" in out and "write rate vs the disk's" in out
+    assert os.listdir(tmp_path) == ["e.json"]  # every checkpoint removed after its call

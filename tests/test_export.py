@@ -101,8 +101,8 @@ def test_fsdp2_model_exports_one_checkpoint_that_loads_with_equal_logits(family,
 def _plain_state(out):
     r = dist.get_rank()
     sent = []
-    real_send = E.dist.send
-    E.dist.send = lambda t, *a, **k: (sent.append(t.numel()), real_send(t, *a, **k))[1]
+    real_send = E.dist.isend
+    E.dist.isend = lambda t, *a, **k: (sent.append(t.numel()), real_send(t, *a, **k))[1]
     state = {
         "shared.bias": torch.arange(1000, dtype=torch.float32),  # every rank: written once
         f"rank{r}.only": torch.full((300,), float(r), dtype=torch.bfloat16),
@@ -111,7 +111,7 @@ def _plain_state(out):
     try:
         dx.export_hf_checkpoint(state, out)
     finally:
-        E.dist.send = real_send
+        E.dist.isend = real_send
     return sum(sent)
 
 
