@@ -731,10 +731,11 @@ def spawn_local(args: argparse.Namespace) -> int:
     results: list[Result] = []
 
     for size, workload in ((s, w) for s in args.sizes for w in args.workloads):
-        def announce(pids: list[int], size: int = size) -> None:
+        def announce(pids: list[int], size: int = size, workload: str = workload) -> None:
+            what = (f"a {format_size(size)} model" if workload == "export"
+                    else f"{format_size(size)} per rank")
             print(f"distributed-ext-bench: {args.world} local ranks on gloo (pids "
-                  f"{', '.join(str(p) for p in pids)}), {format_size(size)} per rank",
-                  flush=True)
+                  f"{', '.join(str(p) for p in pids)}), {what}", flush=True)
 
         for method in resolve_methods(workload, not args.no_baseline):
             # Fresh ranks per method: its first call is a first call.
