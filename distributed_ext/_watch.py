@@ -191,9 +191,14 @@ class DeferredInterrupts:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._local.stack.pop()
+        stack = self._local.stack
+        stack.pop()
         if exc is None and self.pending is not None:
             pending, self.pending = self.pending, None
+            if stack:  # nested in a larger collective: it decides when every rank raises
+                if stack[-1].pending is None:
+                    stack[-1].pending = pending
+                return
             raise pending
 
     def take(self) -> BaseException | None:

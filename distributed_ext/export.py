@@ -577,6 +577,9 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         entries = plan_entries(described, dst_rank, ctx.ranks)  # the same on every rank
         sink = None
         try:
+            interrupted = deferred.take()  # one that landed in the metadata round fails here
+            if interrupted is not None:
+                raise interrupted
             if ctx.rank == dst_rank:
                 sink = make_sink(entries)
             prepared = _agree.Status()

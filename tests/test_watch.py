@@ -64,3 +64,16 @@ def _beats():
 def test_every_rank_beats_into_the_store():
     for count, stored in assert_all_ok(run_ranks(_beats, 2)):
         assert count >= 2 and stored >= 2
+
+
+def test_a_nested_collective_hands_its_interrupt_to_the_enclosing_one():
+    def body(_worker):
+        time.sleep(0.4)
+
+    threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        with _watch.DeferredInterrupts() as outer:
+            with _watch.DeferredInterrupts():
+                _watch.run_watched(body, [], "inner")
+            # The inner block did not raise: the outer one owns the interrupt now.
+            assert isinstance(outer.pending, KeyboardInterrupt)
