@@ -319,3 +319,27 @@ def test_a_rank_failing_mid_transfer_fails_every_rank_and_writes_nothing(tmp_pat
         assert "rank 1 failed with RuntimeError: shard 3 is unreadable" in values[r][0][2]
     assert all(after == 3 for _first, after in values)
     assert not out.exists()  # it did not exist before: it does not now
+
+
+def _export_gpu_shards(path, out):
+    from harness import nccl_group_of_one
+
+    torch.cuda.set_device(0)
+    with nccl_group_of_one(path):
+        model = build("llama").cuda()
+        dx.fsdp2_wrap(model)
+        dx.export_hf_checkpoint(model, out)
+        with torch.no_grad():
+            return model(_input().cuda()).logits.cpu()
+
+
+@pytest.mark.cuda
+def test_export_of_gpu_resident_fsdp2_shards(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "ckpt")
+    (logits,) = assert_all_ok(run_ranks(_export_gpu_shards, 1, str(tmp_path / "s"), out,
+                                        init=False, timeout=300))
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert (loaded(_input()).logits - logits).abs().max().item() < 1e-4
