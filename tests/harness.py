@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +23,7 @@ from distributed_ext._spawn import RankOutcome as RankResult
 from distributed_ext._spawn import run_local
 
 __all__ = ["REPO", "RankResult", "assert_all_ok", "free_port", "nccl_group_of_one", "read_rss",
-           "run_command", "run_ranks"]
+           "run_command", "run_ranks", "run_torchrun"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,6 +78,17 @@ def run_command(args: list[str], timeout: float, env: dict[str, str] | None = No
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 300
+                 ) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc <args>`` on a free local port (gloo over loopback),
+    through :func:`run_command`: its whole process group is killed on timeout."""
+    return run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         "--master-port", str(free_port()), *args],
+        timeout=timeout, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from harness import free_port, run_command
+from harness import run_torchrun
 
 from distributed_ext import bench
 
@@ -159,13 +159,8 @@ def test_ctrl_c_stops_every_local_rank():
 def test_under_torchrun_on_cpu(tmp_path):
     # A launch: the command joins it (gloo on a CPU-only node) instead of spawning ranks.
     out = tmp_path / "figures.json"
-    proc = run_command(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()),
-         "-m", "distributed_ext.bench", "--size", "1MiB", "--repeat", "1", "--quiet",
-         "--json", str(out)],
-        timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
-    )
+    proc = run_torchrun(["-m", "distributed_ext.bench", "--size", "1MiB", "--repeat", "1",
+                         "--quiet", "--json", str(out)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torchrun, 2 ranks, gloo" in proc.stdout
     rows = json.loads(out.read_text())["results"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from harness import REPO, free_port, run_command
+from harness import REPO, run_command, run_torchrun
 
 EXAMPLE = os.path.join(REPO, "examples", "export_shards.py")
 
@@ -17,11 +17,17 @@ pytest.importorskip("transformers", reason="the example builds a Hugging Face mo
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
 
 
-def _example_module():
-    spec = importlib.util.spec_from_file_location("export_shards", EXAMPLE)
+def _load_example(path):
+    """An example script imported as a module (its main() does not run)."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _example_module():
+    return _load_example(EXAMPLE)
 
 
 def test_export_shards_world_2(tmp_path):
@@ -42,11 +48,7 @@ def test_export_shards_world_2(tmp_path):
 
 def test_export_shards_under_torchrun(tmp_path):
     out = tmp_path / "shards"
-    proc = run_command(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), EXAMPLE, "--out", str(out)],
-        timeout=300, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
-    )
+    proc = run_torchrun([EXAMPLE, "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     example = _example_module()
     full = example.build_model().state_dict()
@@ -59,41 +61,26 @@ def test_export_shards_under_torchrun(tmp_path):
 EXPORT = os.path.join(REPO, "examples", "export_fsdp2_hf.py")
 
 
-def _export_example():
-    spec = importlib.util.spec_from_file_location("export_fsdp2_hf", EXPORT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _loaded_logits(out):
+def _assert_loaded_logits_match_printed(proc, out):
+    """The checkpoint loads with the logits the sharded model printed (first three)."""
     from transformers import AutoModelForCausalLM
 
-    example = _export_example()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = ast.literal_eval(proc.stdout.split("logits[0, 0, :3] = ")[1].strip())
     model = AutoModelForCausalLM.from_pretrained(str(out))
     with torch.no_grad():
-        return model(example.sample_input()).logits[0, 0].tolist()
+        got = model(_load_example(EXPORT).sample_input()).logits[0, 0, :3].tolist()
+    assert [round(x, 5) for x in printed] == [round(x, 5) for x in got]
 
 
 def test_export_fsdp2_hf_example_locally(tmp_path):
     out = tmp_path / "ckpt"
     proc = run_command([sys.executable, EXPORT, "--world", "2", "--out", str(out),
                         "--max-shard-size", "100KB"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_loaded_logits_match_printed(proc, out)
     assert (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
-    printed = proc.stdout.split("logits[0, 0, :3] = ")[1].strip()
-    got = _loaded_logits(out)[:3]
-    assert [round(x, 5) for x in ast.literal_eval(printed)] == [round(x, 5) for x in got]
 
 
 def test_export_fsdp2_hf_example_under_torchrun(tmp_path):
     out = tmp_path / "ckpt"
-    proc = run_command(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), EXPORT, "--out", str(out)],
-        timeout=300, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = proc.stdout.split("logits[0, 0, :3] = ")[1].strip()
-    got = _loaded_logits(out)[:3]
-    assert [round(x, 5) for x in ast.literal_eval(printed)] == [round(x, 5) for x in got]
+    _assert_loaded_logits_match_printed(run_torchrun([EXPORT, "--out", str(out)]), out)

@@ -214,12 +214,16 @@ def _disk_fills(out):
         E.FileSink.write = full
     state = {f"w{i}": torch.full((50_000,), float(i)) for i in range(6)} if dist.get_rank() \
         else {}
+    return _export_then_use_the_group(state, out, 64 * 1024)
+
+
+def _export_then_use_the_group(state, out, chunk):
+    """Exports, catching what it raises, then checks the group is usable at once."""
     try:
-        dx.export_hf_checkpoint(state, out, chunk_bytes=64 * 1024)
+        dx.export_hf_checkpoint(state, out, chunk_bytes=chunk)
         first = ("ok",)
     except Exception as exc:
         first = ("raised", type(exc).__name__, str(exc))
-    # The group is usable at once.
     return first, dx.all_reduce("after", lambda: 1, sum)
 
 
@@ -298,12 +302,7 @@ def _sender_fails_mid_stream(out):
 
         E._local_bytes = flaky
     state = {f"r{r}.w{i}": torch.full((40_000,), float(i)) for i in range(6)}
-    try:
-        dx.export_hf_checkpoint(state, out, chunk_bytes=32 * 1024)
-        first = ("ok",)
-    except Exception as exc:
-        first = ("raised", type(exc).__name__, str(exc))
-    return first, dx.all_reduce("after", lambda: 1, sum)
+    return _export_then_use_the_group(state, out, 32 * 1024)
 
 
 def test_a_rank_failing_mid_transfer_fails_every_rank_and_writes_nothing(tmp_path):

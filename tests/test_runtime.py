@@ -5,13 +5,12 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import sys
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_all_ok, free_port, run_command, run_ranks
+from harness import assert_all_ok, run_ranks, run_torchrun
 
 import distributed_ext as dx
 
@@ -133,11 +132,7 @@ def test_distributed_run_binds_cuda_local_rank_under_torchrun(tmp_path):
         "    t = torch.ones(1, device=state.device)\n"
         "    total = dx.all_reduce('ranks', lambda: state.rank, sum)\n"
         "    print(f'RESULT {state.rank} {state.world_size} {t.device} {total}', flush=True)\n")
-    proc = run_command(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-         "--master-port", str(free_port()), str(script)],
-        timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
-    )
+    proc = run_torchrun([str(script)], nproc=1, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULT 0 1 cuda:0 0" in proc.stdout, proc.stdout
 
@@ -148,11 +143,7 @@ def test_distributed_run_under_torchrun_without_gpus(tmp_path, args):
         pytest.skip("this machine has GPUs: distributed_run binds cuda:LOCAL_RANK there")
     script = tmp_path / "run.py"
     script.write_text(_RUN_SCRIPT % args)
-    proc = run_command(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(script)],
-        timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
-    )
+    proc = run_torchrun([str(script)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(re.findall(r"RESULT [^\n]*?t=\d\.\d", proc.stdout))
     assert lines == [f"RESULT rank={r} world=2 device=cpu backend=gloo total=1 t=2.0"
