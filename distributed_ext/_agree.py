@@ -241,6 +241,30 @@ def tensor_bytes(t: torch.Tensor) -> bytearray:
     return out
 
 
+def peer_failure_error(what: str, exc: _watch.PeerFailure) -> RuntimeError:
+    """The RuntimeError every transport raises for a lost peer, naming the root cause.
+
+    If another rank was already posted dead (:func:`_watch.post_failure`), this peer most
+    likely left after seeing that death: the posted rank is named first. Else this peer is
+    posted, so that the other survivors name it.
+    """
+    cause = describe_exception(exc.cause)
+    posted = _watch.posted_failure()
+    if posted is not None and posted[0] != exc.rank:
+        dead, reporter, reason = posted
+        error = RuntimeError(
+            f"{what}: rank {dead} died or failed (rank {reporter} saw: {reason}); then the "
+            f"transfer with rank {exc.rank} failed too ({cause}); the process group can no "
+            "longer be used -- the job must stop")
+    else:
+        _watch.post_failure(exc.rank, f"its transfer failed: {cause}")
+        error = RuntimeError(
+            f"{what}: the transfer with rank {exc.rank} failed mid-transfer ({cause}); rank "
+            f"{exc.rank} died or lost its connection, and the process group can no longer be "
+            "used -- the job must stop")
+    return error
+
+
 def raise_first_failure(what: str, statuses: list[Status], ctx: GroupContext,
                         own: Status) -> None:
     """Raises on this rank if any rank failed, the same way on every rank.

@@ -260,19 +260,21 @@ def run_watched(
     worker = _Worker(body)
     thread = threading.Thread(target=worker.run, name=f"distributed_ext {what}", daemon=True)
     thread.start()
-    error, callback_error = _await(worker.events, lambda: worker.error, ranks, what, on_progress)
+    error, callback_error, liveness = _await(worker.events, lambda: worker.error, ranks, what,
+                                             on_progress)
     if error is not None:
-        _raise_worker_error(error, None, ranks, what)
+        _raise_worker_error(error, liveness, ranks, what)
     return callback_error
 
 
 def _await(events: queue.SimpleQueue, error_of: Callable[[], BaseException | None] | None,
            ranks: list[int], what: str, on_progress: Callable[[int], None] | None
-           ) -> tuple[BaseException | None, BaseException | None]:
+           ) -> tuple[BaseException | None, BaseException | None, _Liveness | None]:
     """Waits for ``_DONE`` on ``events`` while watching ``ranks``; see :func:`run_watched`.
 
     Returns:
-        ``(the worker's error, the progress callback's first error)``.
+        ``(the worker's error, the progress callback's first error, the liveness watch if one
+        started)`` -- the watch's observations let a later attribution start from them.
     """
     deferral = DeferredInterrupts.current()
     interrupt: BaseException | None = None
@@ -324,7 +326,7 @@ def _await(events: queue.SimpleQueue, error_of: Callable[[], BaseException | Non
             raise interrupt
         if deferral.pending is None:
             deferral.pending = interrupt
-    return (error_of() if error_of is not None else None), callback_error
+    return (error_of() if error_of is not None else None), callback_error, liveness
 
 
 def _raise_worker_error(error: BaseException, liveness: _Liveness | None, ranks: list[int],
@@ -385,14 +387,14 @@ def wait_work(work: Any, ranks: list[int], what: str, device: torch.device | Non
         if future is not None:
             events: queue.SimpleQueue = queue.SimpleQueue()
             future.add_done_callback(lambda _f: events.put(_DONE))
-            error = _await(events, None, ranks, what, None)[0]
+            error, _callback_error, liveness = _await(events, None, ranks, what, None)
             if error is None:
                 try:
                     work.wait()  # complete by now: returns at once, or raises its error
                 except BaseException as exc:  # noqa: BLE001 - named below where possible
                     error = exc
             if error is not None:
-                _raise_worker_error(error, None, ranks, what)
+                _raise_worker_error(error, liveness, ranks, what)
             return
 
     def body(_worker: Any) -> None:

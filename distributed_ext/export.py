@@ -397,6 +397,9 @@ class MemorySink:
     def write(self, key: str, offset: int, data: torch.Tensor) -> None:
         self.flat[key][offset : offset + data.numel()].copy_(data)
 
+    def abort(self) -> None:
+        """Nothing to undo: the tensors are dropped with the sink."""
+
 
 # -- data ------------------------------------------------------------------------------------
 
@@ -564,7 +567,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 for p in e.pieces:
                     _scatter(sink, e, p.block, 0, _local_bytes(state[e.key]))
         except BaseException:
-            getattr(sink, "abort", lambda: None)()
+            sink.abort()
             raise
         return sink, model
     ctx = _agree.resolve_group(group, what)
@@ -592,10 +595,8 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             _transfer(state, entries, sink, ctx, dst_rank, chunk, what)
         except _watch.PeerFailure as exc:
             if sink is not None:
-                getattr(sink, "abort", lambda: None)()
-            _watch.post_failure(exc.rank, f"its transfer failed: {exc.cause}")
-            raise RuntimeError(f"{what}: the transfer with rank {exc.rank} failed "
-                               f"({exc.cause}); the process group can no longer be used") from exc
+                sink.abort()
+            raise _agree.peer_failure_error(what, exc) from exc.cause
         except BaseException as exc:  # noqa: BLE001 - a full disk on dst: agreed below
             failure = exc
         failure = failure or deferred.take()
@@ -605,7 +606,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                                        ctx, final)
         except BaseException:
             if sink is not None:
-                getattr(sink, "abort", lambda: None)()
+                sink.abort()
             raise
     return sink, model
 

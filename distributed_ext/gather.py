@@ -326,22 +326,7 @@ def _gather_agreed(resolve_source: Callable[[], ByteSource], dst: int, chunk_byt
             callback_error = _gather_gloo(source, sizes, outputs, int(dst),
                                           min(chunk, GLOO_PIECE_BYTES), ctx, what, on_progress)
     except _watch.PeerFailure as exc:
-        cause = _agree.describe_exception(exc.cause)
-        posted = _watch.posted_failure()
-        if posted is not None and posted[0] != exc.rank:
-            # Another rank died first, and exc.rank left after seeing it: name the root cause.
-            dead, reporter, reason = posted
-            raise RuntimeError(
-                f"{what}: rank {dead} died or failed (rank {reporter} saw: {reason}); then the "
-                f"transfer with rank {exc.rank} failed too ({cause}); the process group can no "
-                "longer be used -- the job must stop"
-            ) from exc.cause
-        _watch.post_failure(exc.rank, f"its transfer failed: {cause}")
-        raise RuntimeError(
-            f"{what}: the transfer with rank {exc.rank} failed mid-transfer ({cause}); rank "
-            f"{exc.rank} died or lost its connection, and the process group can no longer be "
-            "used -- the job must stop"
-        ) from exc.cause
+        raise _agree.peer_failure_error(what, exc) from exc.cause
 
     # Final round: every rank learns whether the data phase failed anywhere (a callback on
     # dst, an interrupt that waited for the transfer to finish), so all raise or none does.
