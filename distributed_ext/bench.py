@@ -446,13 +446,6 @@ def _write_sequential(path: str, nbytes: int) -> None:
             os.unlink(path)
 
 
-def all_reduce_sum(value: int) -> int:
-    """A sum over the ranks (the default group)."""
-    import distributed_ext as dx
-
-    return int(dx.all_reduce("bench sum", lambda: value, sum))
-
-
 def _payload(size: int, rank: int) -> bytearray:
     import torch
 
@@ -473,11 +466,9 @@ def measure(workload: str, method: str, size: int, repeat: int, show_progress: b
     rank, world, dst = dist.get_rank(), dist.get_world_size(), 0
     if workload == "export":
         data: Any = build_export_model(size)
-        # The checkpoint's bytes; a rank's share of them is what its shards hold.
-        moved = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local")
-                    else p.numel() * p.element_size() for p in data.parameters())
-        moved = all_reduce_sum(moved)
-        moved //= world
+        # A DTensor's numel is the full tensor's: this is the checkpoint's size, on every rank.
+        checkpoint = sum(p.numel() * p.element_size() for p in data.parameters())
+        moved = checkpoint // world  # a rank's share, for the table's size/rank column
     elif workload == "bytes":
         data = _payload(size, rank)
         moved = len(data)
@@ -511,7 +502,7 @@ def measure(workload: str, method: str, size: int, repeat: int, show_progress: b
     if rank != dst:
         return None
     # GB/s numerator: what dst receives from the others (the whole checkpoint for export).
-    received = world * moved if workload == "export" else (world - 1) * moved
+    received = checkpoint if workload == "export" else (world - 1) * moved
     return asdict(Result(workload, method, world, moved, received, timing.first, timing.warm,
                          peaks, fresh_ranks))
 
