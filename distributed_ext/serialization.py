@@ -859,7 +859,8 @@ def read_state(file: str | os.PathLike[str] | IO[bytes], *,
     if isinstance(file, (str, os.PathLike)):
         with open(file, "rb") as f:
             return read_state(f, max_expansion=max_expansion, max_tensors=max_tensors)
-    preamble = _read_exactly(file, _PREAMBLE.size, bytearray(_PREAMBLE.size))
+    preamble = bytearray(_PREAMBLE.size)
+    _read_into(file, preamble, 0, _PREAMBLE.size, _PREAMBLE.size)
     header_len, data_off, data_len = _check_preamble(memoryview(preamble), exact=False)
     total = data_off + data_len
     available = _remaining_bytes(file)
@@ -869,14 +870,13 @@ def read_state(file: str | os.PathLike[str] | IO[bytes], *,
     if available is not None:  # a regular file: one exact allocation
         buf = _native.empty_bytearray(total)
         buf[: _PREAMBLE.size] = preamble
-        _read_exactly(file, total - _PREAMBLE.size, memoryview(buf)[_PREAMBLE.size :])
+        _read_into(file, buf, _PREAMBLE.size, total, total)
     else:  # a pipe or socket: grow with what actually arrives
         buf = preamble
         while len(buf) < total:
-            piece = min(_READ_PIECE, total - len(buf))
             start = len(buf)
-            buf.extend(bytes(piece))
-            _read_exactly(file, piece, memoryview(buf)[start:], got_before=start, total=total)
+            buf.extend(bytes(min(_READ_PIECE, total - start)))
+            _read_into(file, buf, start, len(buf), total)
     return decode_state(buf, max_expansion=max_expansion, max_tensors=max_tensors)
 
 
@@ -893,20 +893,17 @@ def _remaining_bytes(file: IO[bytes]) -> int | None:
         return None
 
 
-def _read_exactly(file: IO[bytes], n: int, into: bytearray | memoryview, got_before: int = 0,
-                  total: int | None = None) -> bytearray | memoryview:
-    """Fills ``into[:n]`` from ``file``; ValueError if the stream ends first."""
-    view, got = memoryview(into), 0
-    while got < n:
+def _read_into(file: IO[bytes], buf: bytearray, start: int, end: int, total: int) -> None:
+    """Fills ``buf[start:end]`` from ``file``; ValueError if the stream ends first."""
+    view, pos = memoryview(buf), start
+    while pos < end:
         if hasattr(file, "readinto"):
-            k = file.readinto(view[got:n])  # type: ignore[attr-defined]
+            k = file.readinto(view[pos:end])  # type: ignore[attr-defined]
         else:
-            chunk = file.read(n - got)
+            chunk = file.read(end - pos)
             k = len(chunk) if chunk else 0
-            view[got : got + k] = chunk
+            view[pos : pos + k] = chunk
         if not k:
-            what = total if total is not None else (n if got_before == 0 else got_before + n)
-            raise ValueError(f"read_state: the stream ended after {got_before + got} of "
-                             f"{what} bytes (truncated?)")
-        got += k
-    return into
+            raise ValueError(f"read_state: the stream ended after {pos} of {total} bytes "
+                             "(truncated?)")
+        pos += k
