@@ -270,8 +270,10 @@ METHODS = {
     "bytes": ["distributed_ext", "raw gloo send/recv", "torch gather_object", "first-touch floor"],
     "state-dict": ["distributed_ext", "torch save+gather_object+load"],
     "export": ["distributed_ext", "torch get_model_state_dict+save_pretrained",
-               "torch dcp HuggingFaceStorageWriter", "disk write+fsync"],
+               "torch dcp HuggingFaceStorageWriter", "disk write+fsync", "disk O_DIRECT write"],
 }
+# The disk's own rates: through the page cache (+ fsync), and direct (what ours does).
+_DISK_METHODS = ("disk write+fsync", "disk O_DIRECT write")
 BASELINE = {"bytes": "torch gather_object", "state-dict": "torch save+gather_object+load",
             "export": "torch get_model_state_dict+save_pretrained"}
 _TORCH_METHODS = {"torch gather_object", "torch save+gather_object+load",
@@ -286,7 +288,7 @@ def resolve_methods(workload: str, baseline: bool, backend: str = "gloo") -> lis
         methods = [m for m in methods if m not in _TORCH_METHODS]
     if backend != "gloo":  # raw send/recv of host tensors and the host floor are gloo figures
         methods = [m for m in methods
-                   if m in ("distributed_ext", "disk write+fsync", *_TORCH_METHODS)]
+                   if m in ("distributed_ext", *_DISK_METHODS, *_TORCH_METHODS)]
     return methods
 
 
@@ -423,9 +425,13 @@ def _export_call(method: str, model: Any, rank: int, dst: int) -> bool:
             dist.barrier()
         else:  # the disk's own sequential write rate for the same bytes, dst only
             if rank == dst:
-                nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * \
-                    dist.get_world_size()
-                _write_sequential(os.path.join(base, f"dext-disk-{os.getpid()}"), nbytes)
+                # A DTensor's numel is the full tensor's: the checkpoint's size.
+                nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+                path = os.path.join(base, f"dext-disk-{os.getpid()}")
+                if method == "disk write+fsync":
+                    _write_sequential(path, nbytes)
+                else:
+                    _write_direct(path, nbytes)
             dist.barrier()
         return True
     finally:
@@ -442,6 +448,22 @@ def _write_sequential(path: str, nbytes: int) -> None:
             f.flush()
             os.fsync(f.fileno())
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _write_direct(path: str, nbytes: int) -> None:
+    """``nbytes`` written as ours writes a checkpoint: O_DIRECT where the disk takes it."""
+    from distributed_ext import _direct_io
+
+    block = _direct_io.aligned_empty(16 * 2**20).fill_(1)
+    file = _direct_io.DirectFile(path, nbytes)
+    try:
+        for start in range(0, nbytes, block.numel()):
+            file.write(start, block[: min(block.numel(), nbytes - start)])
+        file.sync()
+    finally:
+        file.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
@@ -574,11 +596,14 @@ def _export_targets(results: list[Result]) -> list[str]:
                        f"{format_size(peak)} vs 1/4 of route (b)'s: {format_size(quarter)}")
         out.append(f"{'met ' if peak <= 512 * 2**20 else 'MISSED'} [{label}] dst peak RSS "
                    f"growth {format_size(peak)} (target <= 512 MiB)")
-        disk = rows.get("disk write+fsync")
-        if disk is not None:
-            ratio = disk.first / ours.first
-            out.append(f"{'met ' if ratio >= 0.7 else 'MISSED'} [{label}] write rate vs the "
-                       f"disk's: {ratio:.2f}x (target >= 0.7x)")
+        disks = [rows[m] for m in _DISK_METHODS if m in rows]
+        if disks:
+            # Against the faster of the disk's two ways, first call and warm alike.
+            for when, of in (("first call", lambda r: r.first),
+                             ("warm", lambda r: r.timing().median)):
+                ratio = min(of(d) for d in disks) / of(ours)
+                out.append(f"{'met ' if ratio >= 0.7 else 'MISSED'} [{label}] write rate vs "
+                           f"the disk's faster way ({when}): {ratio:.2f}x (target >= 0.7x)")
     return out
 
 

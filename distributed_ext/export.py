@@ -13,8 +13,10 @@ The flow, on every rank of the group:
 3. Preparing round: dst opens temporary files in the target directory (or allocates the full
    tensors); a failure raises on every rank.
 4. Data: each sender streams its blocks, in plan order, in pieces of at most ``chunk_bytes``;
-   dst writes each piece to its place as it arrives (``os.pwrite`` per contiguous run). dst's
-   own blocks never cross the link. Waits are watched (:mod:`distributed_ext._watch`).
+   dst writes each piece to its place as it arrives (``os.pwrite`` per contiguous run, with
+   ``O_DIRECT`` where the filesystem takes it: :mod:`distributed_ext._direct_io`), while a
+   second thread writes dst's own blocks, which never cross the link. Waits are watched
+   (:mod:`distributed_ext._watch`).
 5. Final round: any failure (a full disk, a dead peer, an interrupt) makes every rank raise,
    and dst removes its temporary files; else dst renames them into place, writes the index,
    ``config.json`` and ``generation_config.json``, and removes stale shards of an earlier
@@ -25,11 +27,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import json
 import math
 import os
 import re
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distributed_ext import _agree, _watch, runtime
+from distributed_ext import _agree, _direct_io, _watch, runtime
 from distributed_ext.collectives import all_reduce
 
 __all__ = ["export_hf_checkpoint", "gather_full_state"]
@@ -165,6 +167,13 @@ class Piece:
     key: str
     rank: int  # group rank
     block: Block
+    _runs: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
+
+    def runs(self, entry: Entry) -> list[tuple[int, int]]:
+        """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once."""
+        if self._runs is None:
+            self._runs = block_runs(self.block, entry.shape, entry.dtype.itemsize)
+        return self._runs
 
 
 @dataclass
@@ -308,18 +317,20 @@ class FileSink:
             f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self.tmp = [os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
                     for name in self.names]
-        self.fds: list[int] = []
-        self.where: dict[str, tuple[int, int]] = {}  # key -> (fd, data offset)
+        self.files: list[_direct_io.DirectFile] = []
+        # key -> (its file, its data's offset in the file)
+        self.where: dict[str, tuple[_direct_io.DirectFile, int]] = {}
         self.weight_map: dict[str, str] = {}
         self.total = 0
         try:
             for name, path, group in zip(self.names, self.tmp, files):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-                self.fds.append(fd)
                 head, offsets = safetensors_header(group)
-                os.pwrite(fd, head, 0)
+                size = len(head) + sum(e.nbytes for e in group)
+                file = _direct_io.DirectFile(path, size)
+                self.files.append(file)
+                file.write(0, torch.frombuffer(bytearray(head), dtype=torch.uint8))
                 for e in group:
-                    self.where[e.key] = (fd, offsets[e.key])
+                    self.where[e.key] = (file, offsets[e.key])
                     self.weight_map[e.key] = name
                     self.total += e.nbytes
         except BaseException:
@@ -327,16 +338,23 @@ class FileSink:
             raise
 
     def write(self, key: str, offset: int, data: torch.Tensor) -> None:
-        fd, base = self.where[key]
-        view, done = _memoryview(data), 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], base + offset + done)
+        file, base = self.where[key]
+        file.write(base + offset, data)
+
+    def address_shift(self, key: str, offset: int) -> int:
+        """Where a receive buffer for bytes at ``offset`` of ``key`` should start (mod
+        ``ALIGN``) for its bytes to be written direct without a copy."""
+        _file, base = self.where[key]
+        return (base + offset) % _direct_io.ALIGN
+
+    @property
+    def direct_bytes(self) -> int:
+        return sum(f.direct_bytes for f in self.files)
 
     def close(self) -> None:
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds = []
+        for file in self.files:
+            file.close()
+        self.files = []
 
     def abort(self) -> None:
         """Removes the temporary files (and the directory if this export created it)."""
@@ -349,8 +367,8 @@ class FileSink:
                 os.rmdir(self.directory)  # only if still empty
 
     def commit(self, model: nn.Module | None) -> None:
-        for fd in self.fds:
-            os.fsync(fd)
+        for file in self.files:
+            file.sync()
         self.close()
         for path, name in zip(self.tmp, self.names):
             os.replace(path, os.path.join(self.directory, name))
@@ -404,16 +422,6 @@ class MemorySink:
 # -- data ------------------------------------------------------------------------------------
 
 
-def _memoryview(t: torch.Tensor) -> memoryview:
-    """A memoryview of a contiguous uint8 CPU tensor's bytes (no copy, no numpy needed).
-
-    Lifetime: valid while ``t`` is alive and unresized; the caller holds ``t`` meanwhile.
-    """
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
-
-
 def _local_bytes(t: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``t`` as flat uint8 CPU bytes (the DTensor's local shard)."""
     dtensor = _dtensor_type()
@@ -424,10 +432,10 @@ def _local_bytes(t: torch.Tensor) -> torch.Tensor:
     return local.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _scatter(sink: Any, entry: Entry, block: Block, start: int, data: torch.Tensor) -> None:
-    """Writes ``data``, bytes ``[start, start + n)`` of ``block``'s local bytes, to its runs."""
+def _scatter(sink: Any, entry: Entry, piece: Piece, start: int, data: torch.Tensor) -> None:
+    """Writes ``data``, bytes ``[start, start + n)`` of the piece's local bytes, to its runs."""
     cursor, end = 0, start + data.numel()
-    for offset, n in block_runs(block, entry.shape, entry.dtype.itemsize):
+    for offset, n in piece.runs(entry):
         lo, hi = max(start, cursor), min(end, cursor + n)
         if lo < hi:
             sink.write(entry.key, offset + (lo - cursor), data[lo - start : hi - start])
@@ -487,20 +495,28 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             if failure is not None:
                 raise _watch.LocalFailure(failure)
             return
-        failure: BaseException | None = None
+        failures: list[BaseException] = []  # the first is raised; appended from two threads
 
         def write(e: Entry, p: Piece, off: int, data: torch.Tensor) -> None:
             # A sink that fails (a full disk) stops writing, but dst keeps receiving, so no
             # sender is left blocked; the failure is raised once everything has arrived.
-            nonlocal failure
-            if failure is None:
+            if not failures:
                 try:
-                    _scatter(sink, e, p.block, off, data)
+                    _scatter(sink, e, p, off, data)
                 except BaseException as exc:  # noqa: BLE001
-                    failure = exc
+                    failures.append(exc)
 
-        # Two receives in flight per sender, posted before dst writes its own blocks, so the
-        # link, the writes and the senders all keep busy; each chunk is written as it lands.
+        def write_own() -> None:
+            for e, p in by_rank.get(me, []):
+                try:
+                    data = _local_bytes(state[e.key])
+                except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
+                    failures.append(exc)
+                    continue
+                write(e, p, 0, data)
+
+        # Two receives in flight per sender, each written as it lands, while a second thread
+        # writes dst's own blocks: the link, the disk and the senders all keep busy.
         plans: dict[int, collections.deque] = {}
         for r, items in by_rank.items():
             if r == me:
@@ -508,41 +524,48 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             plans[r] = collections.deque(
                 (e, p, off, min(chunk, p.block.numel * e.dtype.itemsize - off))
                 for e, p in items for off in range(0, p.block.numel * e.dtype.itemsize, chunk))
-        free = {r: [torch.empty(chunk, dtype=torch.uint8) for _ in range(2)] for r in plans}
+        shift_of = getattr(sink, "address_shift", None)
+        free = {r: [torch.empty(chunk + 2 * _direct_io.ALIGN, dtype=torch.uint8)
+                    for _ in range(2)] for r in plans}
         pending: dict[int, collections.deque] = {r: collections.deque() for r in plans}
 
         def post(r: int) -> None:
             while plans[r] and free[r]:
                 e, p, off, n = plans[r].popleft()
-                buf = free[r].pop()
-                work = dist.irecv(buf[:n], ctx.ranks[r], group=ctx.group)
-                pending[r].append((work, buf, e, p, off, n))
+                raw = free[r].pop()
+                # Where the piece is one run of the file, its buffer starts as aligned as its
+                # place in the file, so that the sink writes it direct without a copy.
+                runs = p.runs(e)
+                shift = shift_of(e.key, runs[0][0] + off) if shift_of and len(runs) == 1 else 0
+                start = (shift - raw.data_ptr()) % _direct_io.ALIGN
+                buf = raw[start : start + n]
+                work = dist.irecv(buf, ctx.ranks[r], group=ctx.group)
+                pending[r].append((work, raw, buf, e, p, off))
 
         for r in plans:
             post(r)
-        for e, p in by_rank.get(me, []):
-            try:
-                data = _local_bytes(state[e.key])
-            except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
-                failure = failure or exc
-                continue
-            write(e, p, 0, data)
-        while any(pending.values()):
-            for r in plans:
-                if not pending[r]:
-                    continue
-                work, buf, e, p, off, n = pending[r].popleft()
-                try:
-                    work.wait()
-                except BaseException as exc:  # noqa: BLE001 - names the sender
-                    # Receives still posted keep writing into their buffers: keep them alive.
-                    _ABANDONED.append((pending, free))
-                    raise _watch.PeerFailure(ctx.ranks[r], exc) from exc
-                write(e, p, off, buf[:n])
-                free[r].append(buf)
-                post(r)
-        if failure is not None:
-            raise _watch.LocalFailure(failure)
+        own = threading.Thread(target=write_own, name=f"distributed_ext {what} (own blocks)",
+                               daemon=True)
+        own.start()
+        try:
+            while any(pending.values()):
+                for r in plans:
+                    if not pending[r]:
+                        continue
+                    work, raw, buf, e, p, off = pending[r].popleft()
+                    try:
+                        work.wait()
+                    except BaseException as exc:  # noqa: BLE001 - names the sender
+                        # Receives still posted keep writing into their buffers: keep them.
+                        _ABANDONED.append((pending, free))
+                        raise _watch.PeerFailure(ctx.ranks[r], exc) from exc
+                    write(e, p, off, buf)
+                    free[r].append(raw)
+                    post(r)
+        finally:
+            own.join()  # its writes end before anything closes the sink's files
+        if failures:
+            raise _watch.LocalFailure(failures[0])
 
     _watch.run_watched(body, ctx.ranks, what)
 
@@ -565,7 +588,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         try:
             for e in entries:
                 for p in e.pieces:
-                    _scatter(sink, e, p.block, 0, _local_bytes(state[e.key]))
+                    _scatter(sink, e, p, 0, _local_bytes(state[e.key]))
         except BaseException:
             sink.abort()
             raise
@@ -631,10 +654,13 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two
-    transport chunks per sender (``chunk_bytes``, default 16 MiB) plus metadata, and its own
-    blocks' bytes are written from its own tensors. A sender holds a contiguous CPU copy of
-    one of its blocks at a time only when the block is not already contiguous CPU memory
-    (GPU-resident shards are copied to the host block by block).
+    transport chunks per sender (``chunk_bytes``, default 16 MiB), two 8 MiB bounce buffers
+    for direct writes, and metadata; its own blocks' bytes are written from its own tensors.
+    The files bypass the page cache (``O_DIRECT``) where the filesystem allows, so the
+    checkpoint takes no kernel memory either, and is on the disk when the call returns
+    (elsewhere the page cache holds it until ``fsync``, before the rename). A sender holds a
+    contiguous CPU copy of one of its blocks at a time only when the block is not already
+    contiguous CPU memory (GPU-resident shards are copied to the host block by block).
 
     Failure: a bad entry (a ``Partial`` DTensor, a dtype safetensors cannot store, ranks that
     disagree on a key's dtype or shape) raises on every rank before any byte moves; a failure

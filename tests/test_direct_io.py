@@ -1,0 +1,109 @@
+"""DirectFile: bytes land where they are written, direct where the filesystem allows it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from distributed_ext import _direct_io
+from distributed_ext._direct_io import ALIGN, DirectFile, aligned_empty
+
+
+def _pieces(size: int, seed: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` pieces that tile ``[0, size)``, of every alignment, shuffled."""
+    rng = random.Random(seed)
+    cuts = sorted({0, size, *(rng.randrange(size) for _ in range(60)),
+                   *(rng.randrange(size // ALIGN) * ALIGN for _ in range(20))})
+    pieces = list(zip(cuts, [b - a for a, b in zip(cuts, cuts[1:])]))
+    rng.shuffle(pieces)
+    return pieces
+
+
+def _write_pieces(file: DirectFile, data: torch.Tensor, pieces: list[tuple[int, int]],
+                  threads: int) -> None:
+    def run(mine: list[tuple[int, int]]) -> None:
+        for offset, n in mine:
+            # Half from unaligned memory (bounced), half from memory aligned like the file.
+            if offset % 2:
+                src = data[offset : offset + n].clone()
+            else:
+                src = aligned_empty(n, shift=offset % ALIGN)
+                src.copy_(data[offset : offset + n])
+            file.write(offset, src)
+
+    workers = [threading.Thread(target=run, args=(pieces[i::threads],)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pieces_of_every_alignment_in_any_order_land_in_place(tmp_path, threads):
+    size = 3 * _direct_io.BOUNCE_BYTES + 12345  # pieces larger than a bounce buffer too
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(threads))
+    path = str(tmp_path / "f")
+    file = DirectFile(path, size)
+    try:
+        _write_pieces(file, data, _pieces(size, threads), threads)
+        file.sync()
+        direct = file.direct_fd is not None
+        written_direct = file.direct_bytes
+    finally:
+        file.close()
+    with open(path, "rb") as f:
+        assert f.read() == data.numpy().tobytes()
+    if direct:  # the filesystem takes O_DIRECT: most bytes went that way
+        assert written_direct > size // 2, (written_direct, size)
+    else:
+        assert written_direct == 0
+
+
+def test_the_file_is_created_exclusively_at_its_final_size(tmp_path):
+    path = str(tmp_path / "f")
+    file = DirectFile(path, 10_000)
+    file.close()
+    assert os.path.getsize(path) == 10_000
+    with pytest.raises(FileExistsError):
+        DirectFile(path, 10)
+
+
+def test_a_filesystem_that_refuses_the_alignment_falls_back_to_the_page_cache(tmp_path,
+                                                                              monkeypatch):
+    real = _direct_io._pwrite_fully
+    refused = []
+
+    def picky(fd, view, offset):
+        if fd == file.direct_fd:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd, view, offset)
+
+    size = 5 * ALIGN + 77
+    data = torch.arange(size, dtype=torch.int64).to(torch.uint8)
+    path = str(tmp_path / "f")
+    file = DirectFile(path, size)
+    monkeypatch.setattr(_direct_io, "_pwrite_fully", picky)
+    try:
+        if file.direct_fd is None:
+            pytest.skip("this filesystem refuses O_DIRECT at open: nothing to fall back from")
+        file.write(0, data[: 2 * ALIGN + 5].clone())
+        file.write(2 * ALIGN + 5, data[2 * ALIGN + 5 :].clone())
+        file.sync()
+    finally:
+        file.close()
+    assert len(refused) == 1  # refused once, then never tried again
+    with open(path, "rb") as f:
+        assert f.read() == data.numpy().tobytes()
+
+
+def test_aligned_empty_places_its_address():
+    for shift in (0, 1, 512, ALIGN - 1):
+        t = aligned_empty(1000, shift)
+        assert t.numel() == 1000 and t.data_ptr() % ALIGN == shift % ALIGN
