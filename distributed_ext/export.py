@@ -7,7 +7,9 @@ The flow, on every rank of the group:
    offset, or the whole tensor for a plain one). A bad entry (a ``Partial`` placement, a dtype
    safetensors cannot store) raises on every rank before any byte moves.
 2. Plan, computed alike on every rank from that metadata: for each key, which rank sends which
-   block (replicas once: dst's own copy if it has one, else the lowest rank's), where every
+   block (replicas once: dst's own copy if it has one, else the least-loaded holder's; a
+   model's recorded :class:`~distributed_ext.DistributionPlan` is checked against what the
+   ranks hold), where every
    byte lands (file and offset, or offset in the full tensor), and an agreed error for keys
    whose ranks disagree on dtype or shape, or whose blocks do not cover the tensor.
 3. Preparing round: dst opens temporary files in the target directory (or allocates the full
@@ -34,7 +36,7 @@ import re
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ import torch.nn as nn
 
 from distributed_ext import _agree, _direct_io, _watch, runtime
 from distributed_ext.collectives import all_reduce
+from distributed_ext.plan import DistributionPlan, recorded_plan
 
 __all__ = ["export_hf_checkpoint", "gather_full_state"]
 
@@ -149,7 +152,8 @@ def describe_entry(key: str, t: Any) -> dict[str, Any]:
             raise ValueError(f"state[{key!r}]: its local shard has shape {tuple(local.shape)}, "
                              f"but its placements say {tuple(shape)}")
         return {"key": key, "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape), "offset": list(offset), "block": list(shape)}
+                "shape": list(t.shape), "offset": list(offset), "block": list(shape),
+                "dtensor": True}
     if t.layout != torch.strided or t.is_meta:
         raise TypeError(f"state[{key!r}] is a {t.layout} or meta tensor; export dense, "
                         "materialized tensors")
@@ -189,17 +193,36 @@ class Entry:
 
 
 def plan_entries(described: list[list[dict[str, Any]]], dst_rank: int,
-                 ranks: list[int]) -> list[Entry]:
+                 ranks: list[int], recorded: DistributionPlan | None = None) -> list[Entry]:
     """The export plan from every rank's metadata (the same on every rank); ValueError if the
-    ranks disagree about a key or its blocks do not cover the tensor."""
+    ranks disagree about a key or its blocks do not cover the tensor.
+
+    A block several ranks hold (a replica) is sent once: by dst when it holds one, so that it
+    never crosses the link, else by the holder that has the fewest bytes to send so far, so
+    that replicas (an expert shard's ``edp`` copies, HSDP's replicated shards) spread the
+    sending over their holders.
+
+    ``recorded``: the model's :class:`DistributionPlan`, if it records one. Then the group must
+    be the plan's world, and a plain (non-DTensor) entry must be held as the plan says: by
+    every rank (the dense part, and anything replicated) or by ``edp`` ranks (an expert shard);
+    any other holding means a rank's model is not the one the plan describes, and a
+    checkpoint written from it would miss or mix weights.
+    """
+    world = len(described)
+    if recorded is not None and recorded.world_size != world:
+        raise ValueError(
+            f"the model records {recorded} but the export's group has {world} rank(s): every "
+            f"rank that holds a part of the model must take part (pass group=None, or a group "
+            f"of the plan's {recorded.world_size} ranks)")
     order: list[str] = []
     seen: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-    for r in [dst_rank] + [r for r in range(len(described)) if r != dst_rank]:
+    for r in [dst_rank] + [r for r in range(world) if r != dst_rank]:
         for meta in described[r]:
             if meta["key"] not in seen:
                 seen[meta["key"]] = []
                 order.append(meta["key"])
             seen[meta["key"]].append((r, meta))
+    load = [0] * world  # bytes each rank sends so far
     entries = []
     for key in order:
         holders = sorted(seen[key], key=lambda rm: rm[0])
@@ -210,6 +233,15 @@ def plan_entries(described: list[list[dict[str, Any]]], dst_rank: int,
             raise ValueError(f"state[{key!r}] differs between ranks ({listing}); every rank "
                              "that holds a key must hold the same dtype and shape")
         dtype_name, shape = kinds.pop()
+        if recorded is not None and not any(m.get("dtensor") for _r, m in holders):
+            allowed = sorted({world, recorded.edp})
+            if len(holders) not in allowed:
+                raise ValueError(
+                    f"state[{key!r}] is held by {len(holders)} rank(s) "
+                    f"({[ranks[r] for r, _m in holders]}), but the model records {recorded}: "
+                    f"a plain tensor is held by {' or '.join(map(str, allowed))} ranks "
+                    "(every rank, or an expert shard's edp replicas); record the plan the "
+                    "model was distributed with")
         entry = Entry(key, _DTYPE_BY_NAME[dtype_name], shape)
         blocks: dict[Block, list[int]] = {}
         for r, m in holders:
@@ -217,7 +249,11 @@ def plan_entries(described: list[list[dict[str, Any]]], dst_rank: int,
             if block.numel:
                 blocks.setdefault(block, []).append(r)
         for block, owners in blocks.items():
-            sender = dst_rank if dst_rank in owners else owners[0]  # replicas cross once
+            if dst_rank in owners:
+                sender = dst_rank  # replicas never cross the link
+            else:
+                sender = min(owners, key=lambda r: (load[r], r))
+                load[sender] += block.numel * entry.dtype.itemsize
             entry.pieces.append(Piece(key, sender, block))
         covered = sum(p.block.numel for p in entry.pieces)
         if covered != math.prod(shape):
@@ -225,6 +261,16 @@ def plan_entries(described: list[list[dict[str, Any]]], dst_rank: int,
                              f"{math.prod(shape)} elements (overlapping or missing shards)")
         entries.append(entry)
     return entries
+
+
+def agree_plan(plans: list[tuple | None], ranks: list[int]) -> DistributionPlan | None:
+    """The plan the ranks' models record (as tuples), the same on all; ValueError if not."""
+    if len(set(plans)) > 1:
+        listing = "; ".join(f"rank {g}: {DistributionPlan(*p) if p else 'none'}"
+                            for g, p in zip(ranks, plans))
+        raise ValueError(f"the ranks' models record different distribution plans ({listing}); "
+                         "record one plan on every rank's model")
+    return DistributionPlan(*plans[0]) if plans[0] is not None else None
 
 
 def block_runs(block: Block, shape: tuple[int, ...], itemsize: int) -> list[tuple[int, int]]:
@@ -579,11 +625,14 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     if chunk <= 0:
         raise ValueError(f"{what}: chunk_bytes must be positive, got {chunk_bytes}")
 
-    def describe() -> list[dict[str, Any]]:
-        return [describe_entry(k, v) for k, v in state.items()]
+    recorded = recorded_plan(model) if model is not None else None
+
+    def describe() -> dict[str, Any]:
+        return {"plan": None if recorded is None else astuple(recorded),
+                "entries": [describe_entry(k, v) for k, v in state.items()]}
 
     if not runtime.is_initialized():
-        entries = plan_entries([describe()], 0, [0])
+        entries = plan_entries([describe()["entries"]], 0, [0], recorded)
         sink = make_sink(entries)
         try:
             for e in entries:
@@ -600,7 +649,10 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                          f"{ctx.ranks})")
     with _watch.DeferredInterrupts() as deferred:
         described = all_reduce(f"{what}: metadata", describe, list, group)
-        entries = plan_entries(described, dst_rank, ctx.ranks)  # the same on every rank
+        # From here on every rank computes the same from the same metadata: an error below is
+        # raised by every rank alike.
+        entries = plan_entries([d["entries"] for d in described], dst_rank, ctx.ranks,
+                               agree_plan([d["plan"] for d in described], ctx.ranks))
         sink = None
         try:
             interrupted = deferred.take()  # one that landed in the metadata round fails here
@@ -646,7 +698,12 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     DTensors (FSDP2 ``fully_shard`` with uneven or empty shards, ``Shard(d)``, ``Replicate``,
     2-D meshes) are assembled from their local shards; a plain tensor every rank holds is
     written once from one rank (dst's own copy if it has one) and its copies never cross the
-    link; a key only some ranks hold comes from one that holds it.
+    link; a key only some ranks hold comes from one that holds it (replicas spread over their
+    holders). A model that records a :class:`~distributed_ext.DistributionPlan` is checked
+    against it: the group must be the plan's world, and every plain tensor held by every rank
+    (the dense part under ``dense="replicate"``: written from dst's copy, none crosses the
+    link) or by an expert shard's ``edp`` replicas; anything else raises ValueError on every
+    rank before any byte moves.
 
     Output: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files of at most
     ``max_shard_size`` each plus ``model.safetensors.index.json``, readable by

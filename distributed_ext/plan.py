@@ -10,7 +10,7 @@ import torch.nn as nn
 from distributed_ext import runtime
 from distributed_ext.fsdp import is_fsdp2_model
 
-__all__ = ["DistributionPlan", "distribution_plan", "set_distribution_plan"]
+__all__ = ["DistributionPlan", "distribution_plan", "recorded_plan", "set_distribution_plan"]
 
 _PLAN_ATTR = "_distributed_ext_plan"
 _DENSE = ("replicate", "fsdp")
@@ -71,7 +71,9 @@ class DistributionPlan:
         return self.dense == "fsdp"
 
 
-def _recorded(module: nn.Module) -> DistributionPlan | None:
+def recorded_plan(module: nn.Module) -> DistributionPlan | None:
+    """The plan recorded on ``module`` (:func:`set_distribution_plan`), or None: unlike
+    :func:`distribution_plan`, no plan is never an error here."""
     return module.__dict__.get(_PLAN_ATTR)
 
 
@@ -104,7 +106,7 @@ def set_distribution_plan(model: nn.Module, plan: DistributionPlan) -> None:
     # Check everything before writing anything, so a refused call leaves no trace.
     modules = list(model.named_modules())
     for name, module in modules:
-        existing = _recorded(module)
+        existing = recorded_plan(module)
         if existing is not None:
             where = "the model" if not name else f"submodule {name!r}"
             raise RuntimeError(
@@ -128,7 +130,7 @@ def distribution_plan(model: nn.Module) -> DistributionPlan:
         RuntimeError: no plan is recorded and the model is FSDP2-sharded or the run has
             several ranks.
     """
-    plan = _recorded(model)
+    plan = recorded_plan(model)
     if plan is not None:
         return plan
 

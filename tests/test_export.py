@@ -98,21 +98,30 @@ def test_fsdp2_model_exports_one_checkpoint_that_loads_with_equal_logits(family,
         assert torch.equal(loaded(_input()).logits, logits)
 
 
+def _counting_sends(fn):
+    """Runs ``fn()``; the bytes this rank sent (every isend of the export counted)."""
+    sent, real_send = [], E.dist.isend
+
+    def counting(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return real_send(tensor, *args, **kwargs)
+
+    E.dist.isend = counting
+    try:
+        fn()
+    finally:
+        E.dist.isend = real_send
+    return sum(sent)
+
+
 def _plain_state(out):
     r = dist.get_rank()
-    sent = []
-    real_send = E.dist.isend
-    E.dist.isend = lambda t, *a, **k: (sent.append(t.numel()), real_send(t, *a, **k))[1]
     state = {
         "shared.bias": torch.arange(1000, dtype=torch.float32),  # every rank: written once
         f"rank{r}.only": torch.full((300,), float(r), dtype=torch.bfloat16),
         "fp8": torch.linspace(-2, 2, 64).to(torch.float8_e4m3fn),
     }
-    try:
-        dx.export_hf_checkpoint(state, out)
-    finally:
-        E.dist.isend = real_send
-    return sum(sent)
+    return _counting_sends(lambda: dx.export_hf_checkpoint(state, out))
 
 
 def test_plain_state_replicas_never_cross_the_link_and_unique_keys_come_from_their_rank(tmp_path):
@@ -128,6 +137,75 @@ def test_plain_state_replicas_never_cross_the_link_and_unique_keys_come_from_the
     assert written["fp8"].dtype == torch.float8_e4m3fn
     assert torch.equal(written["fp8"].view(torch.uint8),
                        torch.linspace(-2, 2, 64).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+class _ExpertParallel(torch.nn.Module):
+    """Dense parameters on every rank; of 4 experts, those of shard ``rank % ep`` only."""
+
+    def __init__(self, rank: int, ep: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.arange(64 * 8, dtype=torch.float32).view(64, 8))
+        self.norm = torch.nn.Parameter(torch.ones(8))
+        self.experts = torch.nn.ModuleDict()
+        for e in range(4):
+            if e % ep == rank % ep:
+                self.experts[str(e)] = torch.nn.Linear(8, 8, bias=False)
+                self.experts[str(e)].weight.data.fill_(float(e))
+
+
+def _export_with_a_plan(out, case):
+    r, world = dist.get_rank(), dist.get_world_size()
+    model = _ExpertParallel(r, ep=2)
+    plan = dx.DistributionPlan(world_size=world, ep_size=2, dense="replicate")
+    if case == "other plan on rank 3" and r == 3:
+        plan = dx.DistributionPlan(world_size=world, ep_size=1, dense="replicate")
+    dx.set_distribution_plan(model, plan)
+    if case == "a key only rank 3 holds" and r == 3:
+        model.register_buffer("stray", torch.zeros(3))
+    try:
+        if case == "subgroup":
+            group = dist.new_group([0, 1])
+            if r < 2:
+                dx.export_hf_checkpoint(model, out, group=group)
+            first = ("ok", 0)
+        else:
+            first = ("ok", _counting_sends(lambda: dx.export_hf_checkpoint(model, out)))
+    except Exception as exc:
+        first = ("raised", type(exc).__name__, str(exc))
+    return first, dx.all_reduce("after", lambda: 1, sum)
+
+
+def test_a_recorded_plan_is_followed_replicas_stay_home_and_expert_shards_spread(tmp_path):
+    out = str(tmp_path / "ep")
+    values = assert_all_ok(run_ranks(_export_with_a_plan, 4, out, "ok", timeout=120))
+    sent = [first[1] for first, _after in values]
+    expert = 8 * 8 * 4
+    # dst holds the dense part and expert shard 0: only shard 1's two experts cross the
+    # link, one from each of its two holders (ranks 1 and 3); no dense byte moves.
+    assert sent == [0, expert, 0, expert], sent
+    written = safetensors_torch.load_file(os.path.join(out, E.WEIGHTS_NAME))
+    assert sorted(written) == ["embed", "experts.0.weight", "experts.1.weight",
+                               "experts.2.weight", "experts.3.weight", "norm"]
+    for e in range(4):
+        assert torch.equal(written[f"experts.{e}.weight"], torch.full((8, 8), float(e)))
+    assert torch.equal(written["embed"], torch.arange(512, dtype=torch.float32).view(64, 8))
+
+
+@pytest.mark.parametrize("case, text", [
+    ("a key only rank 3 holds", "state['stray'] is held by 1 rank(s) ([3]), but the model "
+                                "records DistributionPlan(world_size=4, ep_size=2"),
+    ("other plan on rank 3", "the ranks' models record different distribution plans"),
+    ("subgroup", "the export's group has 2 rank(s)"),
+])
+def test_a_model_that_does_not_match_its_plan_is_refused_on_every_rank(case, text, tmp_path):
+    out = tmp_path / "ep"
+    values = assert_all_ok(run_ranks(_export_with_a_plan, 4, str(out), case, timeout=120))
+    exporting = [0, 1] if case == "subgroup" else [0, 1, 2, 3]
+    for r in exporting:
+        first, after = values[r]
+        assert first[:2] == ("raised", "ValueError") and text in first[2], (r, first)
+        assert after == 4
+    assert not out.exists()
 
 
 def _dtensors(out, kind):
