@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distributed_ext import _agree, _direct_io, _watch, runtime
+from distributed_ext import _agree, _direct_io, _staging, _watch, runtime
 from distributed_ext.collectives import all_reduce
 from distributed_ext.plan import DistributionPlan, recorded_plan
 
@@ -469,13 +469,12 @@ class MemorySink:
 
 
 def _local_bytes(t: torch.Tensor) -> torch.Tensor:
-    """This rank's block of ``t`` as flat uint8 CPU bytes (the DTensor's local shard)."""
+    """This rank's block of ``t`` (a DTensor's local shard) as flat uint8 bytes, on the device
+    it lives on: a view where the block is contiguous, else one contiguous copy of the block
+    (never of the full tensor)."""
     dtensor = _dtensor_type()
     local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
-    local = local.detach()
-    if local.device.type != "cpu":
-        local = local.cpu()
-    return local.contiguous().reshape(-1).view(torch.uint8)
+    return local.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _scatter(sink: Any, entry: Entry, piece: Piece, start: int, data: torch.Tensor) -> None:
@@ -490,36 +489,121 @@ def _scatter(sink: Any, entry: Entry, piece: Piece, start: int, data: torch.Tens
             break
 
 
-# Buffers of receives that were posted when a peer failed: gloo may still write into them,
-# so they are never freed (the group is unusable by then anyway).
+class _PinnedSlots:
+    """``count`` pinned host chunks, for GPU bytes on their way to the link or the disk.
+
+    Leased from :mod:`distributed_ext._staging` (pinned memory has one owner) and returned
+    by :meth:`release`; a slot may be used until then, and only by one transfer at a time.
+    """
+
+    def __init__(self, count: int, chunk: int) -> None:
+        self.size = chunk + 2 * _direct_io.ALIGN
+        self.lease = _staging.acquire(count * self.size)
+
+    def view(self, slot: int, n: int, shift: int = 0) -> torch.Tensor:
+        """``n`` bytes of slot ``slot``, starting at an address ``shift`` (mod ``ALIGN``), so
+        that a direct write of them to a file offset with that shift needs no copy."""
+        base = self.lease.tensor[slot * self.size : (slot + 1) * self.size]
+        start = (shift - base.data_ptr()) % _direct_io.ALIGN
+        return base[start : start + n]
+
+    def release(self) -> None:
+        self.lease.release()
+
+
+def _placement(sink: Any, entry: Entry, piece: Piece, start: int) -> int:
+    """The address shift at which bytes ``start..`` of a piece go to the sink without a copy
+    (their file offset's, where the piece is one run of a file), else 0."""
+    shift_of = getattr(sink, "address_shift", None)
+    runs = piece.runs(entry)
+    return shift_of(entry.key, runs[0][0] + start) if shift_of and len(runs) == 1 else 0
+
+
+def _write_local(sink: Any, entry: Entry, piece: Piece, data: torch.Tensor, chunk: int,
+                 pinned: _PinnedSlots | None, slot: int) -> None:
+    """Writes a piece's local bytes to the sink: from host memory as they are; from a GPU
+    chunk by chunk through pinned slot ``slot`` (never the whole block on the host)."""
+    if data.device.type == "cpu":
+        _scatter(sink, entry, piece, 0, data)
+        return
+    assert pinned is not None
+    for s in range(0, data.numel(), chunk):
+        n = min(chunk, data.numel() - s)
+        host = pinned.view(slot, n, _placement(sink, entry, piece, s))
+        host.copy_(data[s : s + n])  # D2H into pinned memory; returns once it is there
+        _scatter(sink, entry, piece, s, host)
+
+
+def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]) -> bool:
+    """Whether any of these pieces' bytes live on a GPU (only then is pinned memory taken)."""
+    dtensor = _dtensor_type()
+    for e, _p in pieces:
+        t = state[e.key]
+        local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+        if local.device.type != "cpu":
+            return True
+    return False
+
+
+# Buffers of transfers that were posted when a peer failed: the transport may still read or
+# write them, so they are never freed (the group is unusable by then anyway).
 _ABANDONED: list[Any] = []
 
 
 def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
               ctx: _agree.GroupContext, dst_rank: int, chunk: int, what: str) -> None:
-    """Moves every piece to dst's sink: dst's own directly, the others' over the link."""
+    """Moves every piece to dst's sink: dst's own directly, the others' over the link.
+
+    The link carries host chunks on a CPU backend (gloo) and device chunks on NCCL; bytes
+    that live elsewhere than the link wants cross over chunk by chunk: a GPU shard through
+    pinned slots to gloo, a host shard through device slots to NCCL, and on dst a received
+    device chunk through a pinned slot to the sink. No block is ever copied whole.
+    """
     me = ctx.rank
+    on_device = ctx.device.type == "cuda"  # NCCL: what crosses the link is device memory
     by_rank: dict[int, list[tuple[Entry, Piece]]] = {}
     for e in entries:
         for p in e.pieces:
             by_rank.setdefault(p.rank, []).append((e, p))
+    mine = by_rank.get(me, [])
+
+    if _needs_pinned(state, [(e, p) for e in entries for p in e.pieces if p.rank == me]):
+        # Our threads copy on their own (default) streams: whatever the caller's streams
+        # still compute into the shards lands first.
+        torch.cuda.synchronize()
 
     def body(_worker: Any) -> None:
+        if on_device:
+            torch.cuda.set_device(ctx.device)  # a new thread starts on GPU 0
         if me != dst_rank:
-            # A sender that fails mid-stream (a shard that cannot be read) keeps the stream's
-            # shape -- zeros for the rest, never committed -- so dst is not left waiting; the
-            # failure is raised once every byte has been sent, and agreed in the final round.
-            failure: BaseException | None = None
-            zeros: torch.Tensor | None = None
-            in_flight: collections.deque = collections.deque()
+            _send(mine)
+        else:
+            _receive()
 
-            def _wait_send(work: Any) -> None:
-                try:
-                    work.wait()
-                except BaseException as exc:  # noqa: BLE001 - names the receiver
-                    _ABANDONED.append(in_flight)
-                    raise _watch.PeerFailure(ctx.ranks[dst_rank], exc) from exc
-            for e, p in by_rank.get(me, []):
+    def _send(items: list[tuple[Entry, Piece]]) -> None:
+        # A sender that fails mid-stream (a shard that cannot be read) keeps the stream's
+        # shape -- zeros for the rest, never committed -- so dst is not left waiting; the
+        # failure is raised once every byte has been sent, and agreed in the final round.
+        failure: BaseException | None = None
+        zeros: torch.Tensor | None = None
+        in_flight: collections.deque = collections.deque()  # two sends, each with its slot
+        # Staging where the bytes live elsewhere than the link: 3 slots for 2 sends in flight.
+        pinned = _PinnedSlots(3, chunk) if not on_device and _needs_pinned(state, items) \
+            else None
+        dev_slots: torch.Tensor | None = None
+        posted = 0
+        done = False
+
+        def wait_oldest() -> None:
+            work = in_flight.popleft()
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - names the receiver
+                _ABANDONED.append((in_flight, pinned, dev_slots))
+                raise _watch.PeerFailure(ctx.ranks[dst_rank], exc) from exc
+
+        try:
+            for e, p in items:
                 nbytes = p.block.numel * e.dtype.itemsize
                 data = None
                 if failure is None:
@@ -527,20 +611,43 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                         data = _local_bytes(state[e.key])
                     except BaseException as exc:  # noqa: BLE001
                         failure = exc
-                if data is None:
-                    if zeros is None:
-                        zeros = torch.zeros(chunk, dtype=torch.uint8)
                 for s in range(0, nbytes, chunk):
                     n = min(chunk, nbytes - s)
-                    piece = data[s : s + n] if data is not None else zeros[:n]  # type: ignore[index]
                     if len(in_flight) == 2:
-                        _wait_send(in_flight.popleft())
+                        wait_oldest()  # its slot is free again
+                    slot = posted % 3
+                    if data is None:
+                        if zeros is None:
+                            zeros = torch.zeros(chunk, dtype=torch.uint8, device=ctx.device)
+                        piece = zeros[:n]
+                    elif data.device.type == ctx.device.type:
+                        piece = data[s : s + n]  # sent from where it lives
+                    elif on_device:  # a host shard to NCCL: through a device slot
+                        if dev_slots is None:
+                            dev_slots = torch.empty((3, chunk), dtype=torch.uint8,
+                                                    device=ctx.device)
+                        piece = dev_slots[slot, :n]
+                        # Stream-ordered after the send that last read this slot (its
+                        # wait() made the current stream wait for it).
+                        piece.copy_(data[s : s + n])
+                    else:  # a GPU shard to gloo: through a pinned slot
+                        assert pinned is not None
+                        piece = pinned.view(slot, n)
+                        piece.copy_(data[s : s + n])
                     in_flight.append(dist.isend(piece, ctx.ranks[dst_rank], group=ctx.group))
+                    posted += 1
             while in_flight:
-                _wait_send(in_flight.popleft())
-            if failure is not None:
-                raise _watch.LocalFailure(failure)
-            return
+                wait_oldest()
+            if on_device:
+                torch.cuda.current_stream(ctx.device).synchronize()  # every send has left
+            done = True
+        finally:
+            if pinned is not None and done:
+                pinned.release()
+        if failure is not None:
+            raise _watch.LocalFailure(failure)
+
+    def _receive() -> None:
         failures: list[BaseException] = []  # the first is raised; appended from two threads
 
         def write(e: Entry, p: Piece, off: int, data: torch.Tensor) -> None:
@@ -552,14 +659,20 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 except BaseException as exc:  # noqa: BLE001
                     failures.append(exc)
 
+        # Pinned slots: 0 for the own-blocks thread (GPU shards), 1 for received device chunks.
+        own_gpu = _needs_pinned(state, mine)
+        pinned = _PinnedSlots(2, chunk) if own_gpu or on_device else None
+
         def write_own() -> None:
-            for e, p in by_rank.get(me, []):
+            if on_device:
+                torch.cuda.set_device(ctx.device)
+            for e, p in mine:
+                if failures:
+                    return
                 try:
-                    data = _local_bytes(state[e.key])
+                    _write_local(sink, e, p, _local_bytes(state[e.key]), chunk, pinned, 0)
                 except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
                     failures.append(exc)
-                    continue
-                write(e, p, 0, data)
 
         # Two receives in flight per sender, each written as it lands, while a second thread
         # writes dst's own blocks: the link, the disk and the senders all keep busy.
@@ -570,21 +683,24 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             plans[r] = collections.deque(
                 (e, p, off, min(chunk, p.block.numel * e.dtype.itemsize - off))
                 for e, p in items for off in range(0, p.block.numel * e.dtype.itemsize, chunk))
-        shift_of = getattr(sink, "address_shift", None)
-        free = {r: [torch.empty(chunk + 2 * _direct_io.ALIGN, dtype=torch.uint8)
-                    for _ in range(2)] for r in plans}
+        if on_device:
+            free = {r: list(torch.empty((2, chunk), dtype=torch.uint8, device=ctx.device))
+                    for r in plans}
+        else:
+            free = {r: [torch.empty(chunk + 2 * _direct_io.ALIGN, dtype=torch.uint8)
+                        for _ in range(2)] for r in plans}
         pending: dict[int, collections.deque] = {r: collections.deque() for r in plans}
 
         def post(r: int) -> None:
             while plans[r] and free[r]:
                 e, p, off, n = plans[r].popleft()
                 raw = free[r].pop()
-                # Where the piece is one run of the file, its buffer starts as aligned as its
-                # place in the file, so that the sink writes it direct without a copy.
-                runs = p.runs(e)
-                shift = shift_of(e.key, runs[0][0] + off) if shift_of and len(runs) == 1 else 0
-                start = (shift - raw.data_ptr()) % _direct_io.ALIGN
-                buf = raw[start : start + n]
+                if on_device:
+                    buf = raw[:n]
+                else:
+                    # Placed as aligned as its place in the file: written direct, no copy.
+                    start = (_placement(sink, e, p, off) - raw.data_ptr()) % _direct_io.ALIGN
+                    buf = raw[start : start + n]
                 work = dist.irecv(buf, ctx.ranks[r], group=ctx.group)
                 pending[r].append((work, raw, buf, e, p, off))
 
@@ -593,6 +709,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
         own = threading.Thread(target=write_own, name=f"distributed_ext {what} (own blocks)",
                                daemon=True)
         own.start()
+        clean = False
         try:
             while any(pending.values()):
                 for r in plans:
@@ -603,13 +720,22 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                         work.wait()
                     except BaseException as exc:  # noqa: BLE001 - names the sender
                         # Receives still posted keep writing into their buffers: keep them.
-                        _ABANDONED.append((pending, free))
+                        _ABANDONED.append((pending, free, pinned))
                         raise _watch.PeerFailure(ctx.ranks[r], exc) from exc
-                    write(e, p, off, buf)
+                    if on_device:
+                        assert pinned is not None
+                        host = pinned.view(1, buf.numel(), _placement(sink, e, p, off))
+                        host.copy_(buf)  # stream-ordered after the receive; host waits
+                        write(e, p, off, host)
+                    else:
+                        write(e, p, off, buf)
                     free[r].append(raw)
                     post(r)
+            clean = True
         finally:
             own.join()  # its writes end before anything closes the sink's files
+            if pinned is not None and clean:
+                pinned.release()
         if failures:
             raise _watch.LocalFailure(failures[0])
 
@@ -634,13 +760,18 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     if not runtime.is_initialized():
         entries = plan_entries([describe()["entries"]], 0, [0], recorded)
         sink = make_sink(entries)
+        pinned = None
         try:
-            for e in entries:
-                for p in e.pieces:
-                    _scatter(sink, e, p, 0, _local_bytes(state[e.key]))
+            items = [(e, p) for e in entries for p in e.pieces]
+            pinned = _PinnedSlots(1, chunk) if _needs_pinned(state, items) else None
+            for e, p in items:
+                _write_local(sink, e, p, _local_bytes(state[e.key]), chunk, pinned, 0)
         except BaseException:
             sink.abort()
             raise
+        finally:
+            if pinned is not None:
+                pinned.release()
         return sink, model
     ctx = _agree.resolve_group(group, what)
     dst_rank = ctx.group_rank_of(dst)

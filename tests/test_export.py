@@ -412,13 +412,21 @@ def test_a_rank_failing_mid_transfer_fails_every_rank_and_writes_nothing(tmp_pat
 def _export_gpu_shards(path, out):
     from harness import nccl_group_of_one
 
+    from distributed_ext import _staging
+
     torch.cuda.set_device(0)
     with nccl_group_of_one(path):
         model = build("llama").cuda()
         dx.fsdp2_wrap(model)
-        dx.export_hf_checkpoint(model, out)
+        _staging.release_staging()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        # Small chunks: every shard crosses to the host in several pieces.
+        dx.export_hf_checkpoint(model, out, chunk_bytes=8192)
+        grown = torch.cuda.max_memory_allocated() - before
         with torch.no_grad():
-            return model(_input().cuda()).logits.cpu()
+            return model(_input().cuda()).logits.cpu(), grown, _staging.cached_bytes()
 
 
 @pytest.mark.cuda
@@ -426,8 +434,43 @@ def test_export_of_gpu_resident_fsdp2_shards(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "ckpt")
-    (logits,) = assert_all_ok(run_ranks(_export_gpu_shards, 1, str(tmp_path / "s"), out,
-                                        init=False, timeout=300))
+    ((logits, grown, pinned),) = assert_all_ok(run_ranks(
+        _export_gpu_shards, 1, str(tmp_path / "s"), out, init=False, timeout=300))
+    # No parameter gathered on the GPU (the status rounds' small tensors aside).
+    assert grown < 2**20, grown
+    assert 0 < pinned <= 2 * (8192 + 2 * 4096), pinned  # two pinned chunks, not a block
     loaded = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         assert (loaded(_input()).logits - logits).abs().max().item() < 1e-4
+
+
+def _export_gpu_state_over_gloo(out, chunk):
+    """GPU-resident entries exported over gloo: each crosses to the host chunk by chunk."""
+    from distributed_ext import _staging
+
+    r = dist.get_rank()
+    torch.cuda.set_device(0)
+    g = torch.Generator(device="cuda").manual_seed(r)
+    state = {f"rank{r}.w": torch.rand((1000, 777), device="cuda", generator=g),  # ~3 MiB
+             "shared": torch.arange(10_000, device="cuda", dtype=torch.float16)}
+    _staging.release_staging()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dx.export_hf_checkpoint(state, out, chunk_bytes=chunk)
+    grown = torch.cuda.max_memory_allocated() - before
+    return {k: v.cpu() for k, v in state.items()}, grown, _staging.cached_bytes()
+
+
+@pytest.mark.cuda
+def test_gpu_resident_entries_cross_to_the_host_chunk_by_chunk_over_gloo(tmp_path):
+    out = str(tmp_path / "ckpt")
+    chunk = 256 * 1024
+    values = assert_all_ok(run_ranks(_export_gpu_state_over_gloo, 2, out, chunk, timeout=300))
+    written = safetensors_torch.load_file(os.path.join(out, E.WEIGHTS_NAME))
+    for r, (state, grown, pinned) in enumerate(values):
+        assert torch.equal(written[f"rank{r}.w"], state[f"rank{r}.w"])
+        assert grown < 2**20, grown  # the 3 MiB entries never copied whole on the GPU
+        # Pinned staging: a few chunks (3 slots on a sender, 2 on dst), never a whole block.
+        assert 0 < pinned <= 3 * (chunk + 2 * 4096), pinned
+    assert torch.equal(written["shared"], values[0][0]["shared"])
