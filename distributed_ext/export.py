@@ -846,9 +846,16 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     for direct writes, and metadata; its own blocks' bytes are written from its own tensors.
     The files bypass the page cache (``O_DIRECT``) where the filesystem allows, so the
     checkpoint takes no kernel memory either, and is on the disk when the call returns
-    (elsewhere the page cache holds it until ``fsync``, before the rename). A sender holds a
-    contiguous CPU copy of one of its blocks at a time only when the block is not already
-    contiguous CPU memory (GPU-resident shards are copied to the host block by block).
+    (elsewhere the page cache holds it until ``fsync``, before the rename). A sender holds
+    nothing beyond its shards where they are contiguous (else one contiguous copy of one
+    block at a time, on the block's own device).
+
+    GPU-resident shards never cross whole: on NCCL they are sent from device memory chunk by
+    chunk and dst receives into two device chunks per sender, staged through a pinned chunk
+    to the files; on gloo a sender stages them through three pinned chunks, and dst writes its
+    own through one. Device memory: at most two chunks per sender on dst, three on a sender
+    whose shards are on the host under NCCL; no rank gathers a full parameter on its GPU.
+    Pinned memory: at most three chunks (leased from the package's one pinned pool).
 
     Failure: a bad entry (a ``Partial`` DTensor, a dtype safetensors cannot store, ranks that
     disagree on a key's dtype or shape) raises on every rank before any byte moves; a failure
@@ -885,7 +892,9 @@ def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
 
     Collective; the same inputs, keys, assembly and failure rules as
     :func:`export_hf_checkpoint` (tied weights once). Memory on dst: the full state once (the
-    returned CPU tensors, filled in place) plus two transport chunks per sender; nothing else.
+    returned CPU tensors, filled in place) plus two transport chunks per sender (and the
+    pinned and device chunks of :func:`export_hf_checkpoint` for GPU-resident shards);
+    nothing else.
     """
     what = "gather_full_state"
     sink, _model = _export(model_or_state, dst, group, MemorySink, None, what)
