@@ -567,7 +567,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             by_rank.setdefault(p.rank, []).append((e, p))
     mine = by_rank.get(me, [])
 
-    if _needs_pinned(state, [(e, p) for e in entries for p in e.pieces if p.rank == me]):
+    if _needs_pinned(state, mine):
         # Our threads copy on their own (default) streams: whatever the caller's streams
         # still compute into the shards lands first.
         torch.cuda.synchronize()
