@@ -53,5 +53,22 @@ print(bench.format_table(rows))
 dist.destroy_process_group()
 '
 step bench_nccl_world1 300 "$PY" -c "$NCCL1"
+# Export of GPU-resident FSDP2 shards at NCCL world 1 (issue 12): ours against torch's two
+# routes, a 1 GiB model, first call beside the warm median.
+EXPORT1='
+import tempfile, torch, torch.distributed as dist
+from distributed_ext import bench
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="file://" + tempfile.mktemp(), rank=0,
+                        world_size=1)
+rows = [bench.Result(**bench.measure("export", m, 2**30, 2, False, fresh_ranks=False,
+                                     device="cuda"))
+        for m in bench.resolve_methods("export", True, "nccl")]
+print(bench.format_table(rows))
+for line in bench.check_targets(rows):
+    print("  " + line)
+dist.destroy_process_group()
+'
+step bench_export_nccl_world1 300 "$PY" -c "$EXPORT1"
 echo "failed steps: $failed" | tee -a "$RESULTS/summary.txt"
 exit $failed

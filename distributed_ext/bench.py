@@ -367,10 +367,10 @@ def _call(workload: str, method: str, data: Any, rank: int, world: int, dst: int
     return rank != dst or got == [len(data)] * world
 
 
-def build_export_model(nbytes: int) -> Any:
+def build_export_model(nbytes: int, device: str = "cpu") -> Any:
     """An FSDP2-wrapped Llama-shaped model of about ``nbytes`` of fp32 parameters, from a
     config (hidden 1024, intermediate 2816, vocab 32000, untied; a quarter of each below
-    512 MiB), built alike on every rank."""
+    512 MiB), built alike on every rank, its shards on ``device`` ("cuda": GPU-resident)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -383,7 +383,7 @@ def build_export_model(nbytes: int) -> Any:
     config = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=i,
                          num_hidden_layers=layers, num_attention_heads=h // 64,
                          num_key_value_heads=h // 256, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(device)
     dx.fsdp2_wrap(model)
     return model
 
@@ -478,8 +478,11 @@ def _payload(size: int, rank: int) -> bytearray:
 
 
 def measure(workload: str, method: str, size: int, repeat: int, show_progress: bool,
-            fresh_ranks: bool = True, chunk_bytes: int | None = None) -> dict | None:
+            fresh_ranks: bool = True, chunk_bytes: int | None = None,
+            device: str = "cpu") -> dict | None:
     """Runs on every rank (collective): the first call, then ``repeat`` warm ones.
+
+    ``device``: where the export workload's shards live ("cuda": GPU-resident).
 
     Returns dst's figures as a dict (a :class:`Result`'s fields); None on the other ranks.
     """
@@ -487,7 +490,7 @@ def measure(workload: str, method: str, size: int, repeat: int, show_progress: b
 
     rank, world, dst = dist.get_rank(), dist.get_world_size(), 0
     if workload == "export":
-        data: Any = build_export_model(size)
+        data: Any = build_export_model(size, device)
         # A DTensor's numel is the full tensor's: this is the checkpoint's size, on every rank.
         checkpoint = sum(p.numel() * p.element_size() for p in data.parameters())
         moved = checkpoint // world  # a rank's share, for the table's size/rank column
