@@ -30,11 +30,19 @@ import threading
 
 import torch
 
-__all__ = ["ALIGN", "DirectFile", "aligned_empty"]
+__all__ = ["ALIGN", "DirectFile", "aligned_empty", "place"]
 
 ALIGN = 4096
 # Bounce buffer per writing thread; a direct write of unaligned memory goes in such pieces.
 BOUNCE_BYTES = 8 * 2**20
+
+
+def place(raw: torch.Tensor, nbytes: int, shift: int = 0) -> torch.Tensor:
+    """The ``nbytes`` of ``raw`` (uint8, at least ``nbytes + ALIGN`` long) that start at an
+    address of ``shift`` (mod ``ALIGN``): written direct to a file offset with that shift,
+    they need no bounce copy."""
+    start = (shift - raw.data_ptr()) % ALIGN
+    return raw[start : start + nbytes]
 
 
 def aligned_empty(nbytes: int, shift: int = 0) -> torch.Tensor:
@@ -42,9 +50,7 @@ def aligned_empty(nbytes: int, shift: int = 0) -> torch.Tensor:
 
     It views a slightly larger allocation, which it keeps alive.
     """
-    raw = torch.empty(nbytes + 2 * ALIGN, dtype=torch.uint8)
-    start = (shift - raw.data_ptr()) % ALIGN
-    return raw[start : start + nbytes]
+    return place(torch.empty(nbytes + 2 * ALIGN, dtype=torch.uint8), nbytes, shift)
 
 
 def _memoryview(t: torch.Tensor) -> memoryview:

@@ -461,6 +461,10 @@ class MemorySink:
     def write(self, key: str, offset: int, data: torch.Tensor) -> None:
         self.flat[key][offset : offset + data.numel()].copy_(data)
 
+    def address_shift(self, key: str, offset: int) -> int:
+        """Any address will do: the bytes are copied into place."""
+        return 0
+
     def abort(self) -> None:
         """Nothing to undo: the tensors are dropped with the sink."""
 
@@ -468,13 +472,17 @@ class MemorySink:
 # -- data ------------------------------------------------------------------------------------
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``t``: a DTensor's local shard, else ``t`` itself."""
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
 def _local_bytes(t: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``t`` (a DTensor's local shard) as flat uint8 bytes, on the device
     it lives on: a view where the block is contiguous, else one contiguous copy of the block
     (never of the full tensor)."""
-    dtensor = _dtensor_type()
-    local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
-    return local.detach().contiguous().reshape(-1).view(torch.uint8)
+    return _local(t).detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _scatter(sink: Any, entry: Entry, piece: Piece, start: int, data: torch.Tensor) -> None:
@@ -504,8 +512,7 @@ class _PinnedSlots:
         """``n`` bytes of slot ``slot``, starting at an address ``shift`` (mod ``ALIGN``), so
         that a direct write of them to a file offset with that shift needs no copy."""
         base = self.lease.tensor[slot * self.size : (slot + 1) * self.size]
-        start = (shift - base.data_ptr()) % _direct_io.ALIGN
-        return base[start : start + n]
+        return _direct_io.place(base, n, shift)
 
     def release(self) -> None:
         self.lease.release()
@@ -514,9 +521,8 @@ class _PinnedSlots:
 def _placement(sink: Any, entry: Entry, piece: Piece, start: int) -> int:
     """The address shift at which bytes ``start..`` of a piece go to the sink without a copy
     (their file offset's, where the piece is one run of a file), else 0."""
-    shift_of = getattr(sink, "address_shift", None)
     runs = piece.runs(entry)
-    return shift_of(entry.key, runs[0][0] + start) if shift_of and len(runs) == 1 else 0
+    return sink.address_shift(entry.key, runs[0][0] + start) if len(runs) == 1 else 0
 
 
 def _write_local(sink: Any, entry: Entry, piece: Piece, data: torch.Tensor, chunk: int,
@@ -536,13 +542,7 @@ def _write_local(sink: Any, entry: Entry, piece: Piece, data: torch.Tensor, chun
 
 def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]) -> bool:
     """Whether any of these pieces' bytes live on a GPU (only then is pinned memory taken)."""
-    dtensor = _dtensor_type()
-    for e, _p in pieces:
-        t = state[e.key]
-        local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
-        if local.device.type != "cpu":
-            return True
-    return False
+    return any(_local(state[e.key]).device.type != "cpu" for e, _p in pieces)
 
 
 # Buffers of transfers that were posted when a peer failed: the transport may still read or
@@ -567,7 +567,8 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             by_rank.setdefault(p.rank, []).append((e, p))
     mine = by_rank.get(me, [])
 
-    if _needs_pinned(state, mine):
+    gpu_shards = _needs_pinned(state, mine)  # any of this rank's pieces on a GPU
+    if gpu_shards:
         # Our threads copy on their own (default) streams: whatever the caller's streams
         # still compute into the shards lands first.
         torch.cuda.synchronize()
@@ -588,8 +589,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
         zeros: torch.Tensor | None = None
         in_flight: collections.deque = collections.deque()  # two sends, each with its slot
         # Staging where the bytes live elsewhere than the link: 3 slots for 2 sends in flight.
-        pinned = _PinnedSlots(3, chunk) if not on_device and _needs_pinned(state, items) \
-            else None
+        pinned = _PinnedSlots(3, chunk) if gpu_shards and not on_device else None
         dev_slots: torch.Tensor | None = None
         posted = 0
         done = False
@@ -660,8 +660,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                     failures.append(exc)
 
         # Pinned slots: 0 for the own-blocks thread (GPU shards), 1 for received device chunks.
-        own_gpu = _needs_pinned(state, mine)
-        pinned = _PinnedSlots(2, chunk) if own_gpu or on_device else None
+        pinned = _PinnedSlots(2, chunk) if gpu_shards or on_device else None
 
         def write_own() -> None:
             if on_device:
@@ -699,8 +698,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                     buf = raw[:n]
                 else:
                     # Placed as aligned as its place in the file: written direct, no copy.
-                    start = (_placement(sink, e, p, off) - raw.data_ptr()) % _direct_io.ALIGN
-                    buf = raw[start : start + n]
+                    buf = _direct_io.place(raw, n, _placement(sink, e, p, off))
                 work = dist.irecv(buf, ctx.ranks[r], group=ctx.group)
                 pending[r].append((work, raw, buf, e, p, off))
 
