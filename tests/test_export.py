@@ -474,3 +474,67 @@ def test_gpu_resident_entries_cross_to_the_host_chunk_by_chunk_over_gloo(tmp_pat
         # Pinned staging: a few chunks (3 slots on a sender, 2 on dst), never a whole block.
         assert 0 < pinned <= 3 * (chunk + 2 * 4096), pinned
     assert torch.equal(written["shared"], values[0][0]["shared"])
+
+
+def _export_killed_mid_transfer(out, victim, death_file):
+    import signal
+    import time
+
+    r = dist.get_rank()
+
+    def die():
+        with open(death_file, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if r == victim:
+        calls = []
+        if victim == 0:  # dst: while writing what arrives
+            real_write = E.FileSink.write
+
+            def write(self, key, offset, data):
+                calls.append(key)
+                if len(calls) == 20:
+                    die()
+                real_write(self, key, offset, data)
+
+            E.FileSink.write = write
+        else:  # a sender: on its third shard
+            real_local = E._local_bytes
+
+            def local(t):
+                calls.append(1)
+                if len(calls) == 3:
+                    die()
+                return real_local(t)
+
+            E._local_bytes = local
+    state = {f"r{r}.w{i}": torch.full((2 * 2**20,), float(i)) for i in range(6)}  # 8 MiB each
+    try:
+        dx.export_hf_checkpoint(state, out, chunk_bytes=2**20)
+        return ("ok", time.time())
+    except BaseException as exc:  # noqa: BLE001
+        return ("raised", time.time(), type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_mid_export_is_named_by_every_survivor_within_10_s(victim, tmp_path):
+    out = tmp_path / "ckpt"
+    death_file = str(tmp_path / "death")
+    # The group's own timeout is far away (120 s): only the liveness watch can be this quick.
+    res = run_ranks(_export_killed_mid_transfer, 3, str(out), victim, death_file,
+                    pg_timeout=120, timeout=100)
+    assert res[victim].exit_code == -9, res[victim]
+    with open(death_file) as f:
+        died = float(f.read())
+    for r in {0, 1, 2} - {victim}:
+        assert not res[r].timed_out, f"rank {r} hung"
+        outcome = res[r].value
+        assert outcome[0] == "raised" and outcome[2] == "RuntimeError", outcome
+        assert f"rank {victim} " in outcome[3], outcome
+        assert outcome[1] - died < 10, (r, outcome[1] - died, outcome)
+    # Nothing under a checkpoint's name: dst removed its temporary files, or died with them.
+    names = os.listdir(out) if out.exists() else []
+    assert not [n for n in names if not n.endswith(".tmp")], names
+    if victim != 0:
+        assert names == []
