@@ -12,11 +12,13 @@ the calling thread watches:
   waiting rank raises a RuntimeError naming it, well before any process-group timeout. A peer
   that has never beaten (it has not reached its first collective yet) is never called dead.
   Cost: nothing for a wait shorter than the grace; then one store read per peer per check.
-- **Interrupts.** A KeyboardInterrupt (or any exception a signal handler raises) that arrives
-  while the calling thread waits is deferred: the posted work is still waited for, so no peer
-  is left blocked in a transfer and no buffer a transfer writes into is freed. The collective
-  then carries it to every rank as its failure (see :class:`DeferredInterrupts`). A second
-  interrupt during the same wait leaves at once (the escape hatch when something else hangs).
+- **Interrupts.** A Ctrl-C during a collective is deferred wherever it lands (the main
+  thread's SIGINT handler records it; a KeyboardInterrupt, or any exception a signal handler
+  raises, that arrives while the calling thread waits is caught there): the posted work is
+  still waited for, so no peer is left blocked in a transfer and no buffer a transfer writes
+  into is freed. The collective then carries it to every rank as its failure (see
+  :class:`DeferredInterrupts`). A second interrupt leaves at once (the escape hatch when
+  something else hangs).
 
 Work still pending when a dead peer is named stays referenced by its (daemon) worker thread,
 so the memory it reads or writes is never freed under it; the group is unusable by then.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import queue
+import signal
 import sys
 import threading
 import time
@@ -170,29 +173,40 @@ class _Liveness:
 
 
 class DeferredInterrupts:
-    """Collects interrupts that arrive while a collective waits; delivered when it is done.
+    """Collects interrupts that arrive during a collective; delivered when it is done.
 
-    Use as a context manager around a whole collective. Waits inside it (``run_watched``)
-    record a KeyboardInterrupt instead of raising it mid-transfer. A collective with a status
-    round still ahead folds :meth:`take` into that round (every rank then raises); whatever is
-    left is raised on leaving the block, once every rank has finished the collective's rounds.
+    Use as a context manager around a whole collective. Inside it, a Ctrl-C is recorded
+    instead of raised, wherever it lands: in the main thread, with Python's default SIGINT
+    handler, the outermost block installs a handler that records it (a KeyboardInterrupt
+    raised between two rounds -- starting a thread, say -- would leave this rank one round
+    ahead of its peers); elsewhere, waits (``run_watched``) catch it. A collective with a
+    status round still ahead folds :meth:`take` into that round (every rank then raises);
+    whatever is left is raised on leaving the block, once every rank has finished the
+    collective's rounds. A second Ctrl-C while one is pending leaves at once.
     """
 
     _local = threading.local()
 
     def __init__(self) -> None:
         self.pending: BaseException | None = None
+        self._previous_handler: Any = None
 
     def __enter__(self) -> DeferredInterrupts:
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
+        if not stack and threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous_handler = signal.signal(signal.SIGINT, _record_sigint)
         stack.append(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         stack = self._local.stack
         stack.pop()
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+            self._previous_handler = None
         if exc is None and self.pending is not None:
             pending, self.pending = self.pending, None
             if stack:  # nested in a larger collective: it decides when every rank raises
@@ -210,6 +224,23 @@ class DeferredInterrupts:
     def current(cls) -> DeferredInterrupts | None:
         stack = getattr(cls._local, "stack", None)
         return stack[-1] if stack else None
+
+    @classmethod
+    def any_pending(cls) -> bool:
+        """Whether a block of this thread already holds an interrupt."""
+        return any(d.pending is not None for d in getattr(cls._local, "stack", None) or [])
+
+
+def _record_sigint(signum: int, frame: Any) -> None:
+    """SIGINT inside a :class:`DeferredInterrupts` block: recorded for the collective to
+    carry; a second one (one is already pending) leaves at once."""
+    deferral = DeferredInterrupts.current()
+    if deferral is None or DeferredInterrupts.any_pending():
+        raise KeyboardInterrupt
+    deferral.pending = KeyboardInterrupt()
+    sys.stderr.write("distributed_ext: KeyboardInterrupt during a collective; finishing it "
+                     "on every rank first so that no peer is left waiting (interrupt again "
+                     "to leave now)\n")
 
 
 _DONE = object()
@@ -313,7 +344,7 @@ def _await(events: queue.SimpleQueue, error_of: Callable[[], BaseException | Non
                     post_failure(dead[0], "its heartbeat stopped")
                     raise RuntimeError(_dead_message(what, dead, " while this rank waited for it"))
         except (KeyboardInterrupt, SystemExit) as exc:
-            if interrupt is not None:
+            if interrupt is not None or DeferredInterrupts.any_pending():
                 raise  # a second interrupt: leave now, the work stays with its thread
             interrupt = exc
             sys.stderr.write(

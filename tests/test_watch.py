@@ -92,3 +92,36 @@ def _nested_interrupt():
 
 def test_a_nested_collective_hands_its_interrupt_to_the_enclosing_one():
     assert assert_all_ok(run_ranks(_nested_interrupt, 1, init=False)) == [True]
+
+
+def _interrupt_between_waits():
+    """Ctrl-C while the collective runs plain Python (no wait): recorded, not raised there."""
+    reached_end = False
+    try:
+        with _watch.DeferredInterrupts() as block:
+            os.kill(os.getpid(), signal.SIGINT)
+            deadline = time.monotonic() + 0.3
+            while time.monotonic() < deadline:  # Python code between rounds
+                pass
+            recorded = isinstance(block.pending, KeyboardInterrupt)
+            reached_end = True
+    except KeyboardInterrupt:
+        pass
+    restored = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    second_left_at_once = False
+    try:
+        with _watch.DeferredInterrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)  # the escape hatch
+            time.sleep(0.3)
+    except KeyboardInterrupt:
+        second_left_at_once = True
+    return reached_end and recorded, restored, second_left_at_once
+
+
+def test_an_interrupt_between_waits_is_recorded_and_a_second_leaves_at_once():
+    # A KeyboardInterrupt raised between rounds (starting a thread, say) would leave this rank
+    # a round ahead of its peers; the block records it wherever it lands.
+    assert assert_all_ok(run_ranks(_interrupt_between_waits, 1, init=False)) == [
+        (True, True, True)]
