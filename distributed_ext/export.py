@@ -27,8 +27,10 @@ The flow, on every rank of the group:
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
+import functools
 import json
 import math
 import os
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distributed_ext import _agree, _direct_io, _staging, _watch, runtime
+from distributed_ext import _agree, _direct_io, _keys, _native, _staging, _watch, runtime
 from distributed_ext.collectives import all_reduce
 from distributed_ext.plan import DistributionPlan, recorded_plan
 
@@ -79,10 +81,12 @@ def _dtensor_type() -> type | None:
 
 
 def resolve_state(model_or_state: nn.Module | dict) -> tuple[dict[str, torch.Tensor], nn.Module | None]:
-    """The entries to export, keyed as ``save_pretrained`` writes them, and the model if any.
+    """The in-memory entries to export, and the model if any.
 
-    For a module: its ``state_dict()``, less tied weights (the keys of ``_tied_weights_keys``
-    that alias their source), so that ``from_pretrained`` re-ties them.
+    For a module: its ``state_dict()``, less the keys ``save_pretrained`` leaves out: tied
+    weights (the keys of ``_tied_weights_keys`` that alias their source), so that
+    ``from_pretrained`` re-ties them, and ``_keys_to_ignore_on_save``. The keys are the
+    model's in-memory names; :mod:`distributed_ext._keys` maps them to the hub's.
     """
     if isinstance(model_or_state, nn.Module):
         model = model_or_state
@@ -94,6 +98,8 @@ def resolve_state(model_or_state: nn.Module | dict) -> tuple[dict[str, torch.Ten
             if key in state and any(_same_tensor(state[key], v)
                                     for k, v in state.items() if k != key):
                 del state[key]
+        for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+            state.pop(key, None)
         return state, model
     if isinstance(model_or_state, dict):
         return dict(model_or_state), None
@@ -118,7 +124,7 @@ def _same_tensor(a: Any, b: Any) -> bool:
 
 @dataclass(frozen=True)
 class Block:
-    """The block of a full tensor one rank holds: ``offset`` and ``shape`` per dim."""
+    """A block of a tensor: ``offset`` and ``shape`` per dim."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
@@ -128,37 +134,127 @@ class Block:
         return math.prod(self.shape)
 
 
-def describe_entry(key: str, t: Any) -> dict[str, Any]:
-    """This rank's metadata for one entry; TypeError/ValueError naming the key if unsupported."""
-    dtensor = _dtensor_type()
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"state[{key!r}] is a {type(t).__name__}, not a tensor; a checkpoint "
-                        "holds tensors only -- drop it or store it in the config")
-    if t.dtype not in SAFETENSORS_DTYPES:
-        raise TypeError(f"state[{key!r}] has dtype {t.dtype}, which safetensors cannot store; "
-                        "convert it with .to(...) first")
-    if dtensor is not None and isinstance(t, dtensor):
-        from torch.distributed.tensor import Partial
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+# -- what each rank holds: described locally, exchanged as compact tables ------------------
 
-        if any(isinstance(p, Partial) for p in t.placements):
-            raise ValueError(f"state[{key!r}] is a DTensor with a Partial placement "
-                             f"({t.placements}): its values are unreduced sums; call "
-                             ".redistribute(placements=[Replicate()]) or .full_tensor() first")
-        local = t.to_local()
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
-                                                              t.placements)
-        if tuple(local.shape) != tuple(shape):
-            raise ValueError(f"state[{key!r}]: its local shard has shape {tuple(local.shape)}, "
-                             f"but its placements say {tuple(shape)}")
-        return {"key": key, "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape), "offset": list(offset), "block": list(shape),
-                "dtensor": True}
-    if t.layout != torch.strided or t.is_meta:
-        raise TypeError(f"state[{key!r}] is a {t.layout} or meta tensor; export dense, "
-                        "materialized tensors")
-    return {"key": key, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-            "offset": [0] * t.dim(), "block": list(t.shape)}
+
+@dataclass(frozen=True)
+class Signature:
+    """What every holder of an in-memory key must agree on: dtype, global shape and, for a
+    DTensor, its placements (``("S", dim)`` / ``("R",)``) and mesh (global ranks, shape)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    placements: tuple[tuple, ...] | None = None
+    mesh_ranks: tuple[int, ...] | None = None
+    mesh_shape: tuple[int, ...] | None = None
+
+    def show(self) -> str:
+        where = "" if self.placements is None else f" {self.placements} on mesh {self.mesh_shape}"
+        return f"{self.dtype} {self.shape}{where}"
+
+
+@dataclass
+class Described:
+    """One rank's entries: its keys in state order, each with an index into ``signatures``
+    (a few distinct ones for a whole model). This, not a record per entry, is what the
+    ranks exchange."""
+
+    keys: list[str]
+    sig_ids: bytes  # array('i') of one index per key
+    signatures: list[Signature]
+    plan: tuple | None = None
+    args: tuple = ()
+
+
+def _placement_code(key: str, p: Any) -> tuple:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if isinstance(p, Partial):
+        raise ValueError(f"state[{key!r}] is a DTensor with a Partial placement ({p}): its "
+                         "values are unreduced sums; call .redistribute(placements="
+                         "[Replicate()]) or .full_tensor() first")
+    if type(p) is Shard:  # not _StridedShard: its rows are not one range per rank
+        return ("S", p.dim)
+    if isinstance(p, Replicate):
+        return ("R",)
+    raise ValueError(f"state[{key!r}] is a DTensor with placement {p!r}, which the export "
+                     "cannot place exactly; call .redistribute(placements=[Shard(0)]) or "
+                     ".full_tensor() first")
+
+
+def describe_state(state: dict[str, Any], plan: tuple | None = None, args: tuple = ()
+                   ) -> Described:
+    """This rank's entries as compact tables; TypeError/ValueError naming the key of an
+    entry the export cannot write (not a tensor, a dtype safetensors cannot store, a
+    ``Partial`` DTensor, a sparse or meta tensor)."""
+    dtensor = _dtensor_type()
+    sigs: dict[Any, int] = {}  # cache: (dtype, shape, placements, id(mesh)) -> index
+    table: list[Signature] = []
+    ids = array.array("i")
+    for key, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state[{key!r}] is a {type(t).__name__}, not a tensor; a "
+                            "checkpoint holds tensors only -- drop it or store it in the config")
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"state[{key!r}] has dtype {t.dtype}, which safetensors cannot "
+                            "store; convert it with .to(...) first")
+        if dtensor is not None and isinstance(t, dtensor):
+            spec = t._spec
+            mesh = spec.mesh
+            cache_key: Any = (t.dtype, t.shape, spec.placements, id(mesh))
+            index = sigs.get(cache_key)
+            if index is None:
+                codes = tuple(_placement_code(key, p) for p in spec.placements)
+                ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+                sig = Signature(_dtype_name(t.dtype), tuple(t.shape), codes, ranks,
+                                tuple(mesh.mesh.shape))
+                index = sigs[cache_key] = len(table)
+                table.append(sig)
+                local = _local(t)
+                shape = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[1]
+                if shape is not None and tuple(local.shape) != shape:
+                    raise ValueError(f"state[{key!r}]: its local shard has shape "
+                                     f"{tuple(local.shape)}, but its placements say {shape}")
+        else:
+            if t.layout != torch.strided or t.is_meta:
+                raise TypeError(f"state[{key!r}] is a {t.layout} or meta tensor; export "
+                                "dense, materialized tensors")
+            cache_key = (t.dtype, t.shape)
+            index = sigs.get(cache_key)
+            if index is None:
+                index = sigs[cache_key] = len(table)
+                table.append(Signature(_dtype_name(t.dtype), tuple(t.shape)))
+        ids.append(index)
+    return Described(list(state), ids.tobytes(), table, plan, args)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _my_global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _dtensor_blocks(sig: Signature) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every mesh rank's block of a DTensor (global rank -> (offset, shape)), computed from its
+    global shape, mesh and placements alone -- the same on every rank, nothing exchanged."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    assert sig.placements is not None and sig.mesh_ranks is not None and sig.mesh_shape
+    placements = [Shard(c[1]) if c[0] == "S" else Replicate() for c in sig.placements]
+    out = {}
+    for i, g in enumerate(sig.mesh_ranks):
+        coord, rest = [], i
+        for n in reversed(sig.mesh_shape):
+            rest, c = divmod(rest, n)
+            coord.append(c)
+        shape, offset = _compute_local_shape_and_global_offset(
+            sig.shape, sig.mesh_shape, list(reversed(coord)), placements)
+        out[g] = (tuple(offset), tuple(shape))
+    return out
 
 
 # -- plan ------------------------------------------------------------------------------------
@@ -166,11 +262,19 @@ def describe_entry(key: str, t: Any) -> dict[str, Any]:
 
 @dataclass
 class Piece:
-    """A block of ``key`` that ``rank`` sends (in plan order)."""
+    """A block of a written tensor that ``rank`` sends (in plan order).
+
+    ``block`` is in the written tensor's coordinates. The bytes come from the in-memory tensor
+    ``source``'s local block on ``rank``: all of it (``local`` None), or ``local`` (slices
+    in the local block's coordinates) with its dims taken in ``perm`` order.
+    """
 
     key: str
     rank: int  # group rank
     block: Block
+    source: str = ""
+    local: tuple[slice, ...] | None = None
+    perm: tuple[int, ...] | None = None
     _runs: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
 
     def runs(self, entry: Entry) -> list[tuple[int, int]]:
@@ -179,9 +283,14 @@ class Piece:
             self._runs = block_runs(self.block, entry.shape, entry.dtype.itemsize)
         return self._runs
 
+    def nbytes(self, entry: Entry) -> int:
+        return self.block.numel * entry.dtype.itemsize
+
 
 @dataclass
 class Entry:
+    """A tensor as the checkpoint holds it, and the pieces it is assembled from."""
+
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -192,75 +301,179 @@ class Entry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def plan_entries(described: list[list[dict[str, Any]]], dst_rank: int,
-                 ranks: list[int], recorded: DistributionPlan | None = None) -> list[Entry]:
-    """The export plan from every rank's metadata (the same on every rank); ValueError if the
-    ranks disagree about a key or its blocks do not cover the tensor.
+@dataclass
+class Holding:
+    """An in-memory key as the ranks hold it: its signature and each holder's block."""
 
-    A block several ranks hold (a replica) is sent once: by dst when it holds one, so that it
-    never crosses the link, else by the holder that has the fewest bytes to send so far, so
-    that replicas (an expert shard's ``edp`` copies, HSDP's replicated shards) spread the
-    sending over their holders.
+    key: str
+    sig: Signature
+    blocks: list[tuple[int, Block]]  # (group rank, block), in rank order
+    dtensor: bool
 
-    ``recorded``: the model's :class:`DistributionPlan`, if it records one. Then the group must
-    be the plan's world, and a plain (non-DTensor) entry must be held as the plan says: by
-    every rank (the dense part, and anything replicated) or by ``edp`` ranks (an expert shard);
-    any other holding means a rank's model is not the one the plan describes, and a
-    checkpoint written from it would miss or mix weights.
-    """
+
+def merge_holdings(described: list[Described], ranks: list[int], dst_rank: int,
+                   recorded: DistributionPlan | None) -> dict[str, Holding]:
+    """Who holds which in-memory key, and which block of it (the same on every rank);
+    ValueError if holders disagree on a key's dtype, shape or placements, a DTensor's mesh is
+    not the group's ranks, or a plain tensor is held against the recorded plan."""
     world = len(described)
     if recorded is not None and recorded.world_size != world:
         raise ValueError(
             f"the model records {recorded} but the export's group has {world} rank(s): every "
             f"rank that holds a part of the model must take part (pass group=None, or a group "
             f"of the plan's {recorded.world_size} ranks)")
-    order: list[str] = []
-    seen: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    group_rank = {g: r for r, g in enumerate(ranks)}
+    first = described[dst_rank]
+    # The common case: every rank holds the same keys with the same signatures (an FSDP2
+    # model, a replicated state): one comparison per rank instead of one per key and rank.
+    same = all(d.keys == first.keys and d.sig_ids == first.sig_ids
+               and d.signatures == first.signatures for d in described)
+    holders: dict[str, list[tuple[int, Signature]]] = {}
+    if same:
+        sigs = array.array("i")
+        sigs.frombytes(first.sig_ids)
+        table = first.signatures
+        everyone = list(range(world))
+        out = {}
+        for key, i in zip(first.keys, sigs):
+            sig = table[i]
+            out[key] = _holding(key, [(r, sig) for r in everyone], sig, group_rank, ranks,
+                                world, recorded)
+        return out
     for r in [dst_rank] + [r for r in range(world) if r != dst_rank]:
-        for meta in described[r]:
-            if meta["key"] not in seen:
-                seen[meta["key"]] = []
-                order.append(meta["key"])
-            seen[meta["key"]].append((r, meta))
-    load = [0] * world  # bytes each rank sends so far
-    entries = []
-    for key in order:
-        holders = sorted(seen[key], key=lambda rm: rm[0])
-        kinds = {(m["dtype"], tuple(m["shape"])) for _r, m in holders}
+        d = described[r]
+        sigs = array.array("i")
+        sigs.frombytes(d.sig_ids)
+        for key, i in zip(d.keys, sigs):
+            holders.setdefault(key, []).append((r, d.signatures[i]))
+    out = {}
+    for key, held in holders.items():
+        held.sort(key=lambda rs: rs[0])
+        kinds = {s for _r, s in held}
         if len(kinds) > 1:
-            listing = "; ".join(f"rank {ranks[r]}: {m['dtype']} {tuple(m['shape'])}"
-                                for r, m in holders)
+            listing = "; ".join(f"rank {ranks[r]}: {s.show()}" for r, s in held)
             raise ValueError(f"state[{key!r}] differs between ranks ({listing}); every rank "
-                             "that holds a key must hold the same dtype and shape")
-        dtype_name, shape = kinds.pop()
-        if recorded is not None and not any(m.get("dtensor") for _r, m in holders):
+                             "that holds a key must hold the same dtype, shape and placements")
+        out[key] = _holding(key, held, held[0][1], group_rank, ranks, world, recorded)
+    return out
+
+
+def _holding(key: str, held: list[tuple[int, Signature]], sig: Signature,
+             group_rank: dict[int, int], ranks: list[int], world: int,
+             recorded: DistributionPlan | None) -> Holding:
+    if sig.placements is None:
+        if recorded is not None:
             allowed = sorted({world, recorded.edp})
-            if len(holders) not in allowed:
+            if len(held) not in allowed:
                 raise ValueError(
-                    f"state[{key!r}] is held by {len(holders)} rank(s) "
-                    f"({[ranks[r] for r, _m in holders]}), but the model records {recorded}: "
+                    f"state[{key!r}] is held by {len(held)} rank(s) "
+                    f"({[ranks[r] for r, _s in held]}), but the model records {recorded}: "
                     f"a plain tensor is held by {' or '.join(map(str, allowed))} ranks "
                     "(every rank, or an expert shard's edp replicas); record the plan the "
                     "model was distributed with")
-        entry = Entry(key, _DTYPE_BY_NAME[dtype_name], shape)
-        blocks: dict[Block, list[int]] = {}
-        for r, m in holders:
-            block = Block(tuple(m["offset"]), tuple(m["block"]))
-            if block.numel:
-                blocks.setdefault(block, []).append(r)
-        for block, owners in blocks.items():
-            if dst_rank in owners:
-                sender = dst_rank  # replicas never cross the link
-            else:
-                sender = min(owners, key=lambda r: (load[r], r))
-                load[sender] += block.numel * entry.dtype.itemsize
-            entry.pieces.append(Piece(key, sender, block))
+        whole = Block((0,) * len(sig.shape), sig.shape)
+        return Holding(key, sig, [(r, whole) for r, _s in held], False)
+    blocks = _dtensor_blocks(sig)
+    if len(held) != len(blocks) or any(ranks[r] not in blocks for r, _s in held):
+        raise ValueError(
+            f"state[{key!r}] is a DTensor on a mesh of global ranks {sorted(blocks)}, but "
+            f"ranks {[ranks[r] for r, _s in held]} of the export's group (global ranks "
+            f"{ranks}) hold it; export over the group its mesh spans")
+    return Holding(key, sig, [(group_rank[g], Block(*blocks[g])) for g in sorted(
+        blocks, key=group_rank.__getitem__)], True)
+
+
+def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written], dst_rank: int,
+                 ranks: list[int]) -> list[Entry]:
+    """The export plan (the same on every rank): for each written tensor, which rank sends
+    which block of it and from where; ValueError if a written tensor cannot be streamed or
+    its blocks do not cover it.
+
+    A block several ranks hold (a replica) is sent once: by dst when it holds one, so that it
+    never crosses the link, else by the holder that has the fewest bytes to send so far, so
+    that replicas (an expert shard's ``edp`` copies, HSDP's replicated shards) spread the
+    sending over their holders.
+    """
+    load = [0] * len(ranks)  # bytes each rank sends so far
+    entries = []
+    for w in written:
+        if w.unstreamable is not None:
+            raise ValueError(
+                f"{w.key!r}: transformers writes it through {w.unstreamable}, which cannot be "
+                "streamed from the shards as blocks; call gather_full_state(model, "
+                "hub_keys=False) and then save_pretrained on rank 0 with that state")
+        entry = Entry(w.key, w.dtype, w.shape)
+        itemsize = w.dtype.itemsize
+        for part in w.parts:
+            holding = holdings[part.source]
+            blocks: dict[Block, list[tuple[int, Block]]] = {}
+            whole = _is_whole(part, holding.sig.shape)
+            for r, held in holding.blocks:
+                if whole:
+                    if held.numel:
+                        blocks.setdefault(held, []).append((r, held))
+                    continue
+                wb = _intersect(part, held)
+                if wb is not None:
+                    blocks.setdefault(wb, []).append((r, held))
+            for wb, owners in blocks.items():
+                if any(r == dst_rank for r, _h in owners):
+                    sender, held = next((r, h) for r, h in owners if r == dst_rank)
+                else:
+                    sender, held = min(owners, key=lambda rh: (load[rh[0]], rh[0]))
+                    load[sender] += wb.numel * itemsize
+                if whole:
+                    entry.pieces.append(Piece(w.key, sender, wb, part.source))
+                else:
+                    local, perm = _local_view(part, held)
+                    entry.pieces.append(Piece(w.key, sender, wb, part.source, local, perm))
         covered = sum(p.block.numel for p in entry.pieces)
-        if covered != math.prod(shape):
-            raise ValueError(f"state[{key!r}]: the ranks' blocks cover {covered} of "
-                             f"{math.prod(shape)} elements (overlapping or missing shards)")
+        if covered != math.prod(w.shape):
+            raise ValueError(f"state[{w.key!r}]: the ranks' blocks cover {covered} of "
+                             f"{math.prod(w.shape)} elements (overlapping or missing shards)")
         entries.append(entry)
     return entries
+
+
+def _is_whole(part: _keys.Part, src_shape: tuple[int, ...]) -> bool:
+    """Whether a part is its in-memory tensor as it is (the written tensor is that tensor)."""
+    nd = len(src_shape)
+    return (part.shape == src_shape and part.src_dims == tuple(range(nd))
+            and not any(part.at) and not any(part.src_start))
+
+
+def _intersect(part: _keys.Part, held: Block) -> Block | None:
+    """The block of the written tensor that ``held`` (a block of the part's in-memory
+    tensor) supplies to ``part``, or None."""
+    lo, hi = [], []
+    for d in range(len(held.shape)):
+        a = max(part.src_start[d], held.offset[d])
+        b = min(part.src_stop(d), held.offset[d] + held.shape[d])
+        if a >= b:
+            return None
+        lo.append(a)
+        hi.append(b)
+    offset, shape = [], []
+    for j, d in enumerate(part.src_dims):
+        if d < 0:
+            offset.append(part.at[j])
+            shape.append(1)
+        else:
+            offset.append(part.at[j] + lo[d] - part.src_start[d])
+            shape.append(hi[d] - lo[d])
+    return Block(tuple(offset), tuple(shape))
+
+
+def _local_view(part: _keys.Part, held: Block) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """Slices of the holder's local block and the dim order that give a piece's bytes."""
+    local = []
+    for d in range(len(held.shape)):
+        a = max(part.src_start[d], held.offset[d])
+        b = min(part.src_stop(d), held.offset[d] + held.shape[d])
+        local.append(slice(a - held.offset[d], b - held.offset[d]))
+    order = [d for d in part.src_dims if d >= 0]
+    perm = order + [d for d in range(len(held.shape)) if d not in order]
+    return tuple(local), tuple(perm)
 
 
 def agree_plan(plans: list[tuple | None], ranks: list[int]) -> DistributionPlan | None:
@@ -475,20 +688,35 @@ class MemorySink:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``t``: a DTensor's local shard, else ``t`` itself."""
     dtensor = _dtensor_type()
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+    if dtensor is not None and isinstance(t, dtensor):
+        # The local shard itself (what to_local() returns, without its autograd node: a few
+        # microseconds per entry less, which a model of 100k tensors notices).
+        local = getattr(t, "_local_tensor", None)
+        return local if isinstance(local, torch.Tensor) else t.to_local()
+    return t
 
 
-def _local_bytes(t: torch.Tensor) -> torch.Tensor:
-    """This rank's block of ``t`` (a DTensor's local shard) as flat uint8 bytes, on the device
-    it lives on: a view where the block is contiguous, else one contiguous copy of the block
-    (never of the full tensor)."""
-    return _local(t).detach().contiguous().reshape(-1).view(torch.uint8)
+def _piece_bytes(state: dict[str, torch.Tensor], piece: Piece) -> torch.Tensor:
+    """A piece's bytes as flat uint8, in the written tensor's row-major order, on the device
+    they live on: a view where they are contiguous in the local block, else one contiguous
+    copy of the piece (never of more)."""
+    t = _local(state[piece.source]).detach()
+    if piece.local is not None:
+        t = t[piece.local]
+        if piece.perm is not None:
+            t = t.permute(piece.perm)
+        t = t.reshape(piece.block.shape)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _scatter(sink: Any, entry: Entry, piece: Piece, start: int, data: torch.Tensor) -> None:
     """Writes ``data``, bytes ``[start, start + n)`` of the piece's local bytes, to its runs."""
+    runs = piece.runs(entry)
+    if len(runs) == 1:  # most pieces: one run, no search
+        sink.write(entry.key, runs[0][0] + start, data)
+        return
     cursor, end = 0, start + data.numel()
-    for offset, n in piece.runs(entry):
+    for offset, n in runs:
         lo, hi = max(start, cursor), min(end, cursor + n)
         if lo < hi:
             sink.write(entry.key, offset + (lo - cursor), data[lo - start : hi - start])
@@ -542,7 +770,44 @@ def _write_local(sink: Any, entry: Entry, piece: Piece, data: torch.Tensor, chun
 
 def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]) -> bool:
     """Whether any of these pieces' bytes live on a GPU (only then is pinned memory taken)."""
-    return any(_local(state[e.key]).device.type != "cpu" for e, _p in pieces)
+    sources = {p.source for _e, p in pieces}
+    return any(_local(state[s]).device.type != "cpu" for s in sources)
+
+
+# A message: the (entry, piece, start, nbytes) segments it carries, back to back.
+Segment = tuple[Entry, Piece, int, int]
+
+
+def plan_messages(items: list[tuple[Entry, Piece]], chunk: int) -> list[list[Segment]]:
+    """How one sender's pieces cross the link, computed alike by the sender and dst.
+
+    A piece of at least ``chunk`` bytes goes alone, in messages of ``chunk`` bytes (sent from
+    its own memory); smaller pieces are packed back to back into messages of up to ``chunk``
+    bytes, so that a model of 100k small tensors costs a few messages, not 100k.
+    """
+    out: list[list[Segment]] = []
+    packed: list[Segment] = []
+    used = 0
+    for e, p in items:
+        n = p.nbytes(e)
+        if n == 0:
+            continue
+        if n >= chunk:
+            for s in range(0, n, chunk):
+                out.append([(e, p, s, min(chunk, n - s))])
+            continue
+        if used + n > chunk:
+            out.append(packed)
+            packed, used = [], 0
+        packed.append((e, p, 0, n))
+        used += n
+    if packed:
+        out.append(packed)
+    return out
+
+
+def _message_nbytes(message: list[Segment]) -> int:
+    return sum(s[3] for s in message)
 
 
 # Buffers of transfers that were posted when a peer failed: the transport may still read or
@@ -554,10 +819,12 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
               ctx: _agree.GroupContext, dst_rank: int, chunk: int, what: str) -> None:
     """Moves every piece to dst's sink: dst's own directly, the others' over the link.
 
-    The link carries host chunks on a CPU backend (gloo) and device chunks on NCCL; bytes
-    that live elsewhere than the link wants cross over chunk by chunk: a GPU shard through
-    pinned slots to gloo, a host shard through device slots to NCCL, and on dst a received
-    device chunk through a pinned slot to the sink. No block is ever copied whole.
+    Each sender's pieces cross as the messages of :func:`plan_messages`: a large piece's from
+    its own memory, small pieces packed by the compiled core into one chunk. The link carries
+    host chunks on a CPU backend (gloo) and device chunks on NCCL; bytes that live elsewhere
+    than the link wants cross over chunk by chunk: a GPU shard through pinned slots to gloo, a
+    host shard through device slots to NCCL, and on dst a received device chunk through a
+    pinned slot to the sink. No block is ever copied whole.
     """
     me = ctx.rank
     on_device = ctx.device.type == "cuda"  # NCCL: what crosses the link is device memory
@@ -577,65 +844,95 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
         if on_device:
             torch.cuda.set_device(ctx.device)  # a new thread starts on GPU 0
         if me != dst_rank:
-            _send(mine)
+            _send(plan_messages(mine, chunk))
         else:
             _receive()
 
-    def _send(items: list[tuple[Entry, Piece]]) -> None:
+    def _send(messages: list[list[Segment]]) -> None:
         # A sender that fails mid-stream (a shard that cannot be read) keeps the stream's
         # shape -- zeros for the rest, never committed -- so dst is not left waiting; the
         # failure is raised once every byte has been sent, and agreed in the final round.
         failure: BaseException | None = None
         zeros: torch.Tensor | None = None
-        in_flight: collections.deque = collections.deque()  # two sends, each with its slot
-        # Staging where the bytes live elsewhere than the link: 3 slots for 2 sends in flight.
+        in_flight: collections.deque = collections.deque()  # two sends, with what they read
+        # Staging, 3 slots for 2 sends in flight: pinned where GPU bytes go to gloo, device
+        # where host bytes go to NCCL, host where small pieces are packed for gloo.
         pinned = _PinnedSlots(3, chunk) if gpu_shards and not on_device else None
         dev_slots: torch.Tensor | None = None
+        pack_slots: torch.Tensor | None = None
+        current: tuple[Piece | None, torch.Tensor | None] = (None, None)  # a piece's bytes
         posted = 0
         done = False
 
         def wait_oldest() -> None:
-            work = in_flight.popleft()
+            work, _keep = in_flight.popleft()
             try:
                 work.wait()
             except BaseException as exc:  # noqa: BLE001 - names the receiver
-                _ABANDONED.append((in_flight, pinned, dev_slots))
+                _ABANDONED.append((in_flight, pinned, dev_slots, pack_slots))
                 raise _watch.PeerFailure(ctx.ranks[dst_rank], exc) from exc
 
+        def bytes_of(p: Piece) -> torch.Tensor | None:
+            nonlocal failure, current
+            if failure is not None:
+                return None
+            if current[0] is p:
+                return current[1]
+            try:
+                data = _piece_bytes(state, p)
+            except BaseException as exc:  # noqa: BLE001
+                failure = exc
+                return None
+            current = (p, data)
+            return data
+
+        def slot_view(slot: int, n: int, device_type: str) -> torch.Tensor:
+            nonlocal dev_slots, pack_slots
+            if device_type == "cuda":
+                if dev_slots is None:
+                    dev_slots = torch.empty((3, chunk), dtype=torch.uint8, device=ctx.device)
+                return dev_slots[slot, :n]
+            if pinned is not None:
+                return pinned.view(slot, n)
+            if pack_slots is None:
+                pack_slots = torch.empty((3, chunk), dtype=torch.uint8)
+            return pack_slots[slot, :n]
+
         try:
-            for e, p in items:
-                nbytes = p.block.numel * e.dtype.itemsize
-                data = None
-                if failure is None:
-                    try:
-                        data = _local_bytes(state[e.key])
-                    except BaseException as exc:  # noqa: BLE001
-                        failure = exc
-                for s in range(0, nbytes, chunk):
-                    n = min(chunk, nbytes - s)
-                    if len(in_flight) == 2:
-                        wait_oldest()  # its slot is free again
-                    slot = posted % 3
-                    if data is None:
-                        if zeros is None:
-                            zeros = torch.zeros(chunk, dtype=torch.uint8, device=ctx.device)
-                        piece = zeros[:n]
-                    elif data.device.type == ctx.device.type:
-                        piece = data[s : s + n]  # sent from where it lives
-                    elif on_device:  # a host shard to NCCL: through a device slot
-                        if dev_slots is None:
-                            dev_slots = torch.empty((3, chunk), dtype=torch.uint8,
-                                                    device=ctx.device)
-                        piece = dev_slots[slot, :n]
+            for message in messages:
+                n = _message_nbytes(message)
+                if len(in_flight) == 2:
+                    wait_oldest()  # its slot is free again
+                slot = posted % 3
+                link = "cuda" if on_device else "cpu"
+                sources = [bytes_of(p) for _e, p, _s, _n in message]
+                if any(d is None for d in sources):
+                    if zeros is None:
+                        zeros = torch.zeros(chunk, dtype=torch.uint8, device=ctx.device)
+                    piece, keep = zeros[:n], None
+                elif len(message) == 1 and sources[0].device.type == link:
+                    _e, _p, s, _n = message[0]
+                    piece, keep = sources[0][s : s + n], sources[0]  # from where it lives
+                else:
+                    piece = slot_view(slot, n, link)
+                    keep = None
+                    if link == "cpu" and all(d.device.type == "cpu" for d in sources):
+                        # Many small host pieces: one native pass, no Python per byte.
+                        rows, at = [], 0
+                        for (_e, _p, s, m), d in zip(message, sources):
+                            rows.append((d.data_ptr() + s, at, m))
+                            at += m
+                        _native.pack_segments(piece, rows)  # sources alive: held here
+                    else:
                         # Stream-ordered after the send that last read this slot (its
                         # wait() made the current stream wait for it).
-                        piece.copy_(data[s : s + n])
-                    else:  # a GPU shard to gloo: through a pinned slot
-                        assert pinned is not None
-                        piece = pinned.view(slot, n)
-                        piece.copy_(data[s : s + n])
-                    in_flight.append(dist.isend(piece, ctx.ranks[dst_rank], group=ctx.group))
-                    posted += 1
+                        at = 0
+                        for (_e, _p, s, m), d in zip(message, sources):
+                            piece[at : at + m].copy_(d[s : s + m])
+                            at += m
+                in_flight.append((dist.isend(piece, ctx.ranks[dst_rank], group=ctx.group),
+                                  keep))
+                posted += 1
             while in_flight:
                 wait_oldest()
             if on_device:
@@ -650,14 +947,18 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
     def _receive() -> None:
         failures: list[BaseException] = []  # the first is raised; appended from two threads
 
-        def write(e: Entry, p: Piece, off: int, data: torch.Tensor) -> None:
+        def write(message: list[Segment], data: torch.Tensor) -> None:
             # A sink that fails (a full disk) stops writing, but dst keeps receiving, so no
             # sender is left blocked; the failure is raised once everything has arrived.
-            if not failures:
-                try:
-                    _scatter(sink, e, p, off, data)
-                except BaseException as exc:  # noqa: BLE001
-                    failures.append(exc)
+            if failures:
+                return
+            try:
+                at = 0
+                for e, p, s, n in message:
+                    _scatter(sink, e, p, s, data[at : at + n])
+                    at += n
+            except BaseException as exc:  # noqa: BLE001
+                failures.append(exc)
 
         # Pinned slots: 0 for the own-blocks thread (GPU shards), 1 for received device chunks.
         pinned = _PinnedSlots(2, chunk) if gpu_shards or on_device else None
@@ -669,19 +970,14 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 if failures:
                     return
                 try:
-                    _write_local(sink, e, p, _local_bytes(state[e.key]), chunk, pinned, 0)
+                    _write_local(sink, e, p, _piece_bytes(state, p), chunk, pinned, 0)
                 except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
                     failures.append(exc)
 
         # Two receives in flight per sender, each written as it lands, while a second thread
         # writes dst's own blocks: the link, the disk and the senders all keep busy.
-        plans: dict[int, collections.deque] = {}
-        for r, items in by_rank.items():
-            if r == me:
-                continue
-            plans[r] = collections.deque(
-                (e, p, off, min(chunk, p.block.numel * e.dtype.itemsize - off))
-                for e, p in items for off in range(0, p.block.numel * e.dtype.itemsize, chunk))
+        plans = {r: collections.deque(plan_messages(items, chunk))
+                 for r, items in by_rank.items() if r != me}
         if on_device:
             free = {r: list(torch.empty((2, chunk), dtype=torch.uint8, device=ctx.device))
                     for r in plans}
@@ -692,15 +988,17 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
 
         def post(r: int) -> None:
             while plans[r] and free[r]:
-                e, p, off, n = plans[r].popleft()
+                message = plans[r].popleft()
+                n = _message_nbytes(message)
                 raw = free[r].pop()
+                e, p, s, _n = message[0]
                 if on_device:
                     buf = raw[:n]
                 else:
                     # Placed as aligned as its place in the file: written direct, no copy.
-                    buf = _direct_io.place(raw, n, _placement(sink, e, p, off))
+                    buf = _direct_io.place(raw, n, _placement(sink, e, p, s))
                 work = dist.irecv(buf, ctx.ranks[r], group=ctx.group)
-                pending[r].append((work, raw, buf, e, p, off))
+                pending[r].append((work, raw, buf, message))
 
         for r in plans:
             post(r)
@@ -713,7 +1011,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 for r in plans:
                     if not pending[r]:
                         continue
-                    work, raw, buf, e, p, off = pending[r].popleft()
+                    work, raw, buf, message = pending[r].popleft()
                     try:
                         work.wait()
                     except BaseException as exc:  # noqa: BLE001 - names the sender
@@ -722,11 +1020,12 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                         raise _watch.PeerFailure(ctx.ranks[r], exc) from exc
                     if on_device:
                         assert pinned is not None
-                        host = pinned.view(1, buf.numel(), _placement(sink, e, p, off))
+                        e, p, s, _n = message[0]
+                        host = pinned.view(1, buf.numel(), _placement(sink, e, p, s))
                         host.copy_(buf)  # stream-ordered after the receive; host waits
-                        write(e, p, off, host)
+                        write(message, host)
                     else:
-                        write(e, p, off, buf)
+                        write(message, buf)
                     free[r].append(raw)
                     post(r)
             clean = True
@@ -741,8 +1040,8 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
 
 
 def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup | None,
-            make_sink: Callable[[list[Entry]], Any], chunk_bytes: int | None, what: str
-            ) -> tuple[Any, nn.Module | None]:
+            make_sink: Callable[[list[Entry]], Any], chunk_bytes: int | None, what: str,
+            hub_keys: bool = True) -> tuple[Any, nn.Module | None]:
     """The rounds of the module docstring; returns (dst's committed-to-be sink, the model)."""
     state, model = resolve_state(model_or_state)
     chunk = EXPORT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
@@ -750,20 +1049,25 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         raise ValueError(f"{what}: chunk_bytes must be positive, got {chunk_bytes}")
 
     recorded = recorded_plan(model) if model is not None else None
+    plan_tuple = None if recorded is None else astuple(recorded)
 
-    def describe() -> dict[str, Any]:
-        return {"plan": None if recorded is None else astuple(recorded),
-                "entries": [describe_entry(k, v) for k, v in state.items()]}
+    def plan(described: list[Described], dst_rank: int, ranks: list[int]) -> list[Entry]:
+        holdings = merge_holdings(described, ranks, dst_rank,
+                                  agree_plan([d.plan for d in described], ranks))
+        held = {k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()}
+        written = (_keys.resolve_written(model, held) if hub_keys and model is not None
+                   else [_keys.identity(k, dt, shape) for k, (dt, shape) in held.items()])
+        return plan_entries(holdings, written, dst_rank, ranks)
 
     if not runtime.is_initialized():
-        entries = plan_entries([describe()["entries"]], 0, [0], recorded)
+        entries = plan([describe_state(state, plan_tuple)], 0, [0])
         sink = make_sink(entries)
         pinned = None
         try:
             items = [(e, p) for e in entries for p in e.pieces]
             pinned = _PinnedSlots(1, chunk) if _needs_pinned(state, items) else None
             for e, p in items:
-                _write_local(sink, e, p, _local_bytes(state[e.key]), chunk, pinned, 0)
+                _write_local(sink, e, p, _piece_bytes(state, p), chunk, pinned, 0)
         except BaseException:
             sink.abort()
             raise
@@ -777,11 +1081,11 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         raise ValueError(f"{what}: dst={dst} is not a member of the group (global ranks "
                          f"{ctx.ranks})")
     with _watch.DeferredInterrupts() as deferred:
-        described = all_reduce(f"{what}: metadata", describe, list, group)
+        described = all_reduce(f"{what}: metadata",
+                               lambda: describe_state(state, plan_tuple), list, group)
         # From here on every rank computes the same from the same metadata: an error below is
         # raised by every rank alike.
-        entries = plan_entries([d["entries"] for d in described], dst_rank, ctx.ranks,
-                               agree_plan([d["plan"] for d in described], ctx.ranks))
+        entries = plan(described, dst_rank, ctx.ranks)
         sink = None
         try:
             interrupted = deferred.take()  # one that landed in the metadata round fails here
@@ -821,9 +1125,16 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
                          chunk_bytes: int | None = None) -> None:
     """Writes a sharded model's full state as ONE Hugging Face checkpoint on global rank ``dst``.
 
-    Collective over ``group``. ``model_or_state`` is an ``nn.Module`` (its ``state_dict()``,
-    tied weights written once as ``save_pretrained`` does; ``config.json`` and
-    ``generation_config.json`` from its ``config``/``generation_config``) or a state dict.
+    Collective over ``group``. ``model_or_state`` is an ``nn.Module`` or a state dict. A
+    module is written as ``save_pretrained`` writes it: the same keys, shapes, dtypes and
+    bytes (tied weights and ``_keys_to_ignore_on_save`` left out; transformers' own
+    ``revert_weight_conversion`` applied, so a MoE whose experts are fused in memory is
+    written one tensor per expert, in the hub's names), with ``config.json`` and
+    ``generation_config.json`` from its ``config``/``generation_config``. Each written tensor
+    is a set of blocks of in-memory tensors (renames, splits, selections, transposes), streamed
+    from where they live: no rank materializes a fused tensor. A conversion that is not such a
+    set of blocks (a cast, arithmetic) raises ValueError on every rank before any byte moves,
+    naming the key. A state dict is written with its own keys.
     DTensors (FSDP2 ``fully_shard`` with uneven or empty shards, ``Shard(d)``, ``Replicate``,
     2-D meshes) are assembled from their local shards; a plain tensor every rank holds is
     written once from one rank (dst's own copy if it has one) and its copies never cross the
@@ -885,15 +1196,22 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
 
 
 def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
-                      group: dist.ProcessGroup | None = None) -> dict | None:
+                      group: dist.ProcessGroup | None = None, *,
+                      hub_keys: bool = False) -> dict | None:
     """The full state of a sharded model (or state dict) as CPU tensors on ``dst``; None elsewhere.
 
-    Collective; the same inputs, keys, assembly and failure rules as
-    :func:`export_hf_checkpoint` (tied weights once). Memory on dst: the full state once (the
-    returned CPU tensors, filled in place) plus two transport chunks per sender (and the
-    pinned and device chunks of :func:`export_hf_checkpoint` for GPU-resident shards);
-    nothing else.
+    Collective; the same inputs, assembly and failure rules as :func:`export_hf_checkpoint`
+    (tied weights once). The keys are the model's in-memory names, as ``state_dict()`` has
+    them -- a state dict for ``load_state_dict`` of the same model class. With
+    ``hub_keys=True`` they are instead the keys and tensors ``export_hf_checkpoint`` writes
+    (the hub's layout: e.g. one tensor per expert where transformers fuses a MoE's experts in
+    memory), for code that wants the checkpoint's tensors without a file.
+
+    Memory on dst: the full state once (the returned CPU tensors, filled in place) plus two
+    transport chunks per sender (and the pinned and device chunks of
+    :func:`export_hf_checkpoint` for GPU-resident shards); nothing else.
     """
     what = "gather_full_state"
-    sink, _model = _export(model_or_state, dst, group, MemorySink, None, what)
+    sink, _model = _export(model_or_state, dst, group, MemorySink, None, what,
+                           hub_keys=hub_keys)
     return None if sink is None else sink.tensors

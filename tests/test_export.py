@@ -18,20 +18,40 @@ pytest.importorskip("transformers", reason="the export tests build Hugging Face 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
 
 
+_COMMON = dict(vocab_size=130, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+_MOE = dict(num_experts_per_tok=2)
+# Tiny configs of the families whose experts transformers fuses in memory (or renames), plus
+# Llama (no conversion) and a tied Qwen2. Four experts: over 3 ranks FSDP2 gives them 2/2/0.
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
+    "qwen2-tied": ("Qwen2ForCausalLM", "Qwen2Config", dict(tie_word_embeddings=True)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, **_MOE)),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, **_MOE)),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        num_experts=4, moe_intermediate_size=32, **_MOE)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, eos_token_id=1, **_MOE)),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+        topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, **_MOE)),
+    "glm4-moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
+        n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+        topk_group=1, **_MOE)),
+    "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(num_local_experts=4,
+                                                                     **_MOE)),
+    "ernie4.5-moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(
+        moe_num_experts=4, moe_intermediate_size=32, moe_k=2)),
+}
+
+
 def build(family: str, seed: int = 0):
     import transformers as tf
 
+    model_cls, config_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    common = dict(vocab_size=130, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
-    if family == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
-    if family == "qwen2-tied":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=True))
-    if family == "qwen3-moe":
-        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
-            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
-    raise ValueError(family)
+    return getattr(tf, model_cls)(getattr(tf, config_cls)(**_COMMON, **extra))
 
 
 def _input():
@@ -45,7 +65,7 @@ def _train_step(model):
     opt.zero_grad()
 
 
-def _export_fsdp2(family, out, max_shard):
+def _export_fsdp2(family, out, reference_dir, max_shard):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = build(family)
@@ -54,46 +74,76 @@ def _export_fsdp2(family, out, max_shard):
     dx.export_hf_checkpoint(model, out, max_shard_size=max_shard)
     with torch.no_grad():
         logits = model(_input()).logits
-    reference = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                     cpu_offload=True))
-    full = dx.gather_full_state(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    ours = dx.gather_full_state(model)
+    hub = dx.gather_full_state(model, hub_keys=True)
     if dist.get_rank() != 0:
         return None
-    return logits, {k: v.clone() for k, v in reference.items()}, full
+    # The reference artifact: save_pretrained of the same model, unwrapped, with the full state.
+    plain = build(family, seed=1)
+    plain.load_state_dict(full)
+    plain.save_pretrained(reference_dir, max_shard_size=max_shard)
+    return logits, {k: v.clone() for k, v in full.items()}, ours, hub
+
+
+def _read_checkpoint(directory):
+    from safetensors import safe_open
+
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
 
 
 @pytest.mark.parametrize("family, world, max_shard", [
-    ("llama", 2, "5GB"), ("qwen2-tied", 3, "40KB"), ("qwen3-moe", 2, 30_000)])
-def test_fsdp2_model_exports_one_checkpoint_that_loads_with_equal_logits(family, world,
-                                                                         max_shard, tmp_path):
+    ("llama", 2, "5GB"), ("qwen2-tied", 3, "40KB"), ("mixtral", 3, "5GB"),
+    ("qwen2-moe", 2, "60KB"), ("qwen3-moe", 3, 30_000), ("olmoe", 2, "5GB"),
+    ("deepseek-v3", 3, "50KB"), ("glm4-moe", 2, "5GB"), ("granitemoe", 3, "5GB"),
+    ("ernie4.5-moe", 2, "40KB")])
+def test_fsdp2_model_exports_what_save_pretrained_writes_and_loads_with_equal_logits(
+        family, world, max_shard, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    out = str(tmp_path / "ckpt")
-    values = assert_all_ok(run_ranks(_export_fsdp2, world, family, out, max_shard, timeout=240))
-    logits, reference, full = values[0]
+    out, reference_dir = str(tmp_path / "ckpt"), str(tmp_path / "reference")
+    values = assert_all_ok(run_ranks(_export_fsdp2, world, family, out, reference_dir,
+                                     max_shard, timeout=240))
+    logits, full, ours, hub = values[0]
     files = sorted(os.listdir(out))
     shards = [f for f in files if f.endswith(".safetensors")]
     assert "config.json" in files and not any(f.endswith(".tmp") for f in files)
+    written, reference = _read_checkpoint(out), _read_checkpoint(reference_dir)
+    # Keys, shapes, dtypes and bytes: exactly what save_pretrained wrote.
+    assert sorted(written) == sorted(reference)
+    for k, v in reference.items():
+        assert written[k].dtype == v.dtype and written[k].shape == v.shape, k
+        assert torch.equal(written[k], v), k
+        assert torch.equal(hub[k], v), k  # gather_full_state(hub_keys=True): the same
+    # gather_full_state keeps the in-memory keys: a state dict for load_state_dict.
+    # Tied weights (Qwen2 here, Ernie 4.5 by default) are written once, as save_pretrained does.
+    tied = {"lm_head.weight"} - set(reference)
+    assert sorted(ours) == sorted(set(full) - tied)
+    for k, v in ours.items():
+        assert torch.equal(v, full[k]), k
     if len(shards) > 1:
         index = json.loads((tmp_path / "ckpt" / E.INDEX_NAME).read_text())
         assert set(index["weight_map"].values()) == set(shards)
+        assert sorted(index["weight_map"]) == sorted(reference)
         assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
-                                                      for k, t in full.items())
-    written = {}
+                                                      for t in reference.values())
     for name in shards:
         with safe_open(os.path.join(out, name), "pt") as f:
             keys = list(f.keys())
-            written.update({k: f.get_tensor(k) for k in keys})
         data = sum(written[k].numel() * written[k].element_size() for k in keys)
         # At most max_shard_size of tensors per file, unless one tensor alone is larger (as HF).
         assert len(keys) == 1 or data <= E.parse_shard_size(max_shard), (name, data)
     if family == "qwen2-tied":
         assert "lm_head.weight" not in written  # tied: written once, re-tied on load
-    assert set(written) == set(full)
-    for k, v in written.items():  # byte for byte what torch's full-state route gives
-        assert torch.equal(v, reference[k]) and torch.equal(full[k], reference[k]), k
-    loaded = AutoModelForCausalLM.from_pretrained(out)
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         assert torch.equal(loaded(_input()).logits, logits)
 
@@ -381,15 +431,15 @@ def test_dst_memory_stays_a_few_chunks_whatever_the_model_size(tmp_path):
 def _sender_fails_mid_stream(out):
     r = dist.get_rank()
     if r == 1:
-        real, calls = E._local_bytes, []
+        real, calls = E._piece_bytes, []
 
-        def flaky(t):
+        def flaky(state, piece):
             calls.append(1)
             if len(calls) == 3:
                 raise RuntimeError("shard 3 is unreadable")
-            return real(t)
+            return real(state, piece)
 
-        E._local_bytes = flaky
+        E._piece_bytes = flaky
     state = {f"r{r}.w{i}": torch.full((40_000,), float(i)) for i in range(6)}
     return _export_then_use_the_group(state, out, 32 * 1024)
 
@@ -500,15 +550,15 @@ def _export_killed_mid_transfer(out, victim, death_file):
 
             E.FileSink.write = write
         else:  # a sender: on its third shard
-            real_local = E._local_bytes
+            real_local = E._piece_bytes
 
-            def local(t):
+            def local(state, piece):
                 calls.append(1)
                 if len(calls) == 3:
                     die()
-                return real_local(t)
+                return real_local(state, piece)
 
-            E._local_bytes = local
+            E._piece_bytes = local
     state = {f"r{r}.w{i}": torch.full((2 * 2**20,), float(i)) for i in range(6)}  # 8 MiB each
     try:
         dx.export_hf_checkpoint(state, out, chunk_bytes=2**20)
