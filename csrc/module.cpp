@@ -7,6 +7,7 @@
 
 #include "device_copy.h"
 #include "device_pack.h"
+#include "file_segments.h"
 #include "heartbeat.h"
 #include "segments.h"
 
@@ -111,6 +112,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_segments", &distributed_ext::unpack_segments, pybind11::arg("src"),
         pybind11::arg("table"),
         "Copy rows (dst_ptr, src_offset, nbytes) out of src; GIL released.");
+  m.def("pwrite_segments", &distributed_ext::pwrite_segments, pybind11::arg("fd"),
+        pybind11::arg("table"),
+        "pwrite rows (src_ptr, file_offset, nbytes) to fd; GIL released; 0 or an errno.");
   m.def("copy_bytes", &distributed_ext::copy_bytes, pybind11::arg("dst_ptr"),
         pybind11::arg("src_ptr"), pybind11::arg("nbytes"),
         "Copy nbytes between raw host pointers; GIL released.");

@@ -110,6 +110,19 @@ def unpack_segments(src: torch.Tensor, segments: Sequence[tuple[int, int, int]])
     _C.unpack_segments(src, _table(segments))
 
 
+def pwrite_segments(fd: int, segments: Sequence[tuple[int, int, int]]) -> None:
+    """Writes each ``(src_ptr, file_offset, nbytes)`` to ``fd`` with pwrite, GIL released.
+
+    Raises OSError (with the errno) on the first failed write. The source pointers are
+    borrowed: the caller keeps their owners alive, and ``fd`` open, until this returns.
+    """
+    if not segments:
+        return
+    err = _C.pwrite_segments(fd, _table(segments))
+    if err:
+        raise OSError(err, os.strerror(err))
+
+
 def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
     """Copies ``nbytes`` between two non-overlapping host buffers, GIL released, threads used."""
     _C.copy_bytes(dst_ptr, src_ptr, nbytes)

@@ -31,13 +31,15 @@ import array
 import collections
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
 import re
+import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -65,6 +67,9 @@ for _name, _code in (("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8
 _DTYPE_BY_NAME = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
 
 EXPORT_CHUNK_BYTES = 16 * 2**20
+# Runs shorter than this are written in one native call per file and message (a direct write
+# of them would gain nothing: at most a block or two of them is aligned).
+SMALL_RUN = 64 * 2**10
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
@@ -74,10 +79,24 @@ _SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
 def _dtensor_type() -> type | None:
-    import sys
-
+    """torch's DTensor class if its module is loaded (a state with DTensors has loaded it)."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector for the block (reference counting still frees
+    everything without cycles). Why: an export allocates a few small objects per tensor, and
+    each collection that this triggers walks every object the process holds -- a model's
+    100k DTensors and modules -- which made an export of many small tensors 2.5x slower."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def resolve_state(model_or_state: nn.Module | dict) -> tuple[dict[str, torch.Tensor], nn.Module | None]:
@@ -122,16 +141,16 @@ def _same_tensor(a: Any, b: Any) -> bool:
             and a.storage_offset() == b.storage_offset())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Block:
     """A block of a tensor: ``offset`` and ``shape`` per dim."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
+    numel: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
 
 # -- what each rank holds: described locally, exchanged as compact tables ------------------
@@ -260,7 +279,7 @@ def _dtensor_blocks(sig: Signature) -> dict[int, tuple[tuple[int, ...], tuple[in
 # -- plan ------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class Piece:
     """A block of a written tensor that ``rank`` sends (in plan order).
 
@@ -278,16 +297,17 @@ class Piece:
     _runs: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
 
     def runs(self, entry: Entry) -> list[tuple[int, int]]:
-        """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once."""
+        """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once
+        per block, shape and dtype size (many tensors share them: read-only)."""
         if self._runs is None:
-            self._runs = block_runs(self.block, entry.shape, entry.dtype.itemsize)
+            self._runs = _cached_runs(self.block, entry.shape, entry.dtype.itemsize)
         return self._runs
 
     def nbytes(self, entry: Entry) -> int:
         return self.block.numel * entry.dtype.itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """A tensor as the checkpoint holds it, and the pieces it is assembled from."""
 
@@ -303,7 +323,8 @@ class Entry:
 
 @dataclass
 class Holding:
-    """An in-memory key as the ranks hold it: its signature and each holder's block."""
+    """How the ranks hold an in-memory key: its signature and each holder's block (one
+    object may serve every key of a signature; ``key`` is then the first of them)."""
 
     key: str
     sig: Signature
@@ -333,12 +354,16 @@ def merge_holdings(described: list[Described], ranks: list[int], dst_rank: int,
         sigs = array.array("i")
         sigs.frombytes(first.sig_ids)
         table = first.signatures
-        everyone = list(range(world))
+        # One holding per signature, shared by its keys (checked once, with the first key).
+        shared: dict[int, Holding] = {}
         out = {}
         for key, i in zip(first.keys, sigs):
-            sig = table[i]
-            out[key] = _holding(key, [(r, sig) for r in everyone], sig, group_rank, ranks,
-                                world, recorded)
+            holding = shared.get(i)
+            if holding is None:
+                sig = table[i]
+                holding = shared[i] = _holding(key, [(r, sig) for r in range(world)], sig,
+                                               group_rank, ranks, world, recorded)
+            out[key] = holding
         return out
     for r in [dst_rank] + [r for r in range(world) if r != dst_rank]:
         d = described[r]
@@ -379,15 +404,24 @@ def _holding(key: str, held: list[tuple[int, Signature]], sig: Signature,
             f"state[{key!r}] is a DTensor on a mesh of global ranks {sorted(blocks)}, but "
             f"ranks {[ranks[r] for r, _s in held]} of the export's group (global ranks "
             f"{ranks}) hold it; export over the group its mesh spans")
-    return Holding(key, sig, [(group_rank[g], Block(*blocks[g])) for g in sorted(
-        blocks, key=group_rank.__getitem__)], True)
+    return Holding(key, sig, _group_blocks(sig, tuple(ranks)), True)
 
 
-def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written], dst_rank: int,
+@functools.lru_cache(maxsize=4096)
+def _group_blocks(sig: Signature, ranks: tuple[int, ...]) -> list[tuple[int, Block]]:
+    """A DTensor's blocks by group rank, in rank order: one list per signature, shared by
+    every key of that signature (read-only)."""
+    blocks = _dtensor_blocks(sig)
+    group_rank = {g: r for r, g in enumerate(ranks)}
+    return [(group_rank[g], Block(*blocks[g])) for g in sorted(blocks, key=group_rank.get)]
+
+
+def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | None,
+                 dst_rank: int,
                  ranks: list[int]) -> list[Entry]:
     """The export plan (the same on every rank): for each written tensor, which rank sends
     which block of it and from where; ValueError if a written tensor cannot be streamed or
-    its blocks do not cover it.
+    its blocks do not cover it. ``written`` None: every in-memory tensor as it is.
 
     A block several ranks hold (a replica) is sent once: by dst when it holds one, so that it
     never crosses the link, else by the holder that has the fewest bytes to send so far, so
@@ -396,6 +430,16 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written], dst
     """
     load = [0] * len(ranks)  # bytes each rank sends so far
     entries = []
+    # A whole in-memory tensor's distinct blocks and their owners: computed once per list of
+    # blocks, which every key of one DTensor signature shares.
+    distinct: dict[int, tuple[list[tuple[Block, list[int]]], Any]] = {}
+    if written is None:  # a state dict: every tensor written whole, under its own key
+        for key, holding in holdings.items():
+            entry = Entry(key, _DTYPE_BY_NAME[holding.sig.dtype], holding.sig.shape)
+            covered = _add_whole(entry, key, holding, distinct, dst_rank, load)
+            _check_covered(entry, covered)
+            entries.append(entry)
+        return entries
     for w in written:
         if w.unstreamable is not None:
             raise ValueError(
@@ -404,35 +448,68 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written], dst
                 "hub_keys=False) and then save_pretrained on rank 0 with that state")
         entry = Entry(w.key, w.dtype, w.shape)
         itemsize = w.dtype.itemsize
+        covered = 0
         for part in w.parts:
             holding = holdings[part.source]
+            if _is_whole(part, holding.sig.shape):
+                covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load)
+                continue
             blocks: dict[Block, list[tuple[int, Block]]] = {}
-            whole = _is_whole(part, holding.sig.shape)
             for r, held in holding.blocks:
-                if whole:
-                    if held.numel:
-                        blocks.setdefault(held, []).append((r, held))
-                    continue
                 wb = _intersect(part, held)
                 if wb is not None:
                     blocks.setdefault(wb, []).append((r, held))
             for wb, owners in blocks.items():
-                if any(r == dst_rank for r, _h in owners):
-                    sender, held = next((r, h) for r, h in owners if r == dst_rank)
-                else:
-                    sender, held = min(owners, key=lambda rh: (load[rh[0]], rh[0]))
+                sender = _choose_sender([r for r, _h in owners], dst_rank, load)
+                held = next(h for r, h in owners if r == sender)
+                if sender != dst_rank:
                     load[sender] += wb.numel * itemsize
-                if whole:
-                    entry.pieces.append(Piece(w.key, sender, wb, part.source))
-                else:
-                    local, perm = _local_view(part, held)
-                    entry.pieces.append(Piece(w.key, sender, wb, part.source, local, perm))
-        covered = sum(p.block.numel for p in entry.pieces)
-        if covered != math.prod(w.shape):
-            raise ValueError(f"state[{w.key!r}]: the ranks' blocks cover {covered} of "
-                             f"{math.prod(w.shape)} elements (overlapping or missing shards)")
+                local, perm = _local_view(part, held)
+                entry.pieces.append(Piece(w.key, sender, wb, part.source, local, perm))
+                covered += wb.numel
+        _check_covered(entry, covered)
         entries.append(entry)
     return entries
+
+
+def _add_whole(entry: Entry, source: str, holding: Holding,
+               distinct: dict[int, tuple[list[tuple[Block, list[int]]], Any]], dst_rank: int,
+               load: list[int]) -> int:
+    """Adds the pieces of a written tensor that is in-memory tensor ``source`` as it is (one
+    per distinct block); returns the elements they cover."""
+    got = distinct.get(id(holding.blocks))
+    if got is None:
+        groups: dict[Block, list[int]] = {}
+        for r, held in holding.blocks:
+            if held.numel:
+                groups.setdefault(held, []).append(r)
+        # (the list is kept with its id, so that the id is not reused)
+        got = distinct[id(holding.blocks)] = (list(groups.items()), holding.blocks)
+    itemsize = entry.dtype.itemsize
+    covered = 0
+    for wb, owners in got[0]:
+        sender = _choose_sender(owners, dst_rank, load)
+        if sender != dst_rank:
+            load[sender] += wb.numel * itemsize
+        entry.pieces.append(Piece(entry.key, sender, wb, source))
+        covered += wb.numel
+    return covered
+
+
+def _check_covered(entry: Entry, covered: int) -> None:
+    if covered != math.prod(entry.shape):
+        raise ValueError(f"state[{entry.key!r}]: the ranks' blocks cover {covered} of "
+                         f"{math.prod(entry.shape)} elements (overlapping or missing shards)")
+
+
+def _choose_sender(owners: list[int], dst_rank: int, load: list[int]) -> int:
+    """Who sends a block: its one owner; dst if it holds a replica (it never crosses the
+    link); else the replica holder with the fewest bytes to send so far."""
+    if len(owners) == 1:
+        return owners[0]
+    if dst_rank in owners:
+        return dst_rank
+    return min(owners, key=lambda r: (load[r], r))
 
 
 def _is_whole(part: _keys.Part, src_shape: tuple[int, ...]) -> bool:
@@ -506,6 +583,9 @@ def block_runs(block: Block, shape: tuple[int, ...], itemsize: int) -> list[tupl
         start += block.offset[j] * strides[j]
         runs.append((start * itemsize, run))
     return runs
+
+
+_cached_runs = functools.lru_cache(maxsize=65536)(block_runs)
 
 
 def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -600,6 +680,21 @@ class FileSink:
         file, base = self.where[key]
         file.write(base + offset, data)
 
+    def write_batch(self, data: torch.Tensor, rows: list[tuple[str, int, int, int]]) -> None:
+        """Writes ``data[at : at + n]`` at ``offset`` of each row's ``(key, offset, at, n)``:
+        runs under ``SMALL_RUN`` bytes gathered per file into one native call, larger ones
+        each through :meth:`DirectFile.write` (direct where it can)."""
+        small: dict[_direct_io.DirectFile, list[tuple[int, int, int]]] = {}
+        ptr = data.data_ptr()
+        for key, offset, at, n in rows:
+            file, base = self.where[key]
+            if n < SMALL_RUN:
+                small.setdefault(file, []).append((ptr + at, base + offset, n))
+            else:
+                file.write(base + offset, data[at : at + n])
+        for file, segments in small.items():
+            file.write_segments(segments)  # data is held by the caller meanwhile
+
     def address_shift(self, key: str, offset: int) -> int:
         """Where a receive buffer for bytes at ``offset`` of ``key`` should start (mod
         ``ALIGN``) for its bytes to be written direct without a copy."""
@@ -674,6 +769,18 @@ class MemorySink:
     def write(self, key: str, offset: int, data: torch.Tensor) -> None:
         self.flat[key][offset : offset + data.numel()].copy_(data)
 
+    def write_batch(self, data: torch.Tensor, rows: list[tuple[str, int, int, int]]) -> None:
+        """Copies ``data[at : at + n]`` to ``offset`` of each row's ``(key, offset, at, n)``
+        tensor, in one native pass (bounds checked here: the rows come from the plan)."""
+        segments = []
+        for key, offset, at, n in rows:
+            flat = self.flat[key]
+            if offset < 0 or offset + n > flat.numel() or at + n > data.numel():
+                raise ValueError(f"{key!r}: bytes [{offset}, {offset + n}) lie outside its "
+                                 f"{flat.numel()} bytes")
+            segments.append((flat.data_ptr() + offset, at, n))
+        _native.unpack_segments(data, segments)
+
     def address_shift(self, key: str, offset: int) -> int:
         """Any address will do: the bytes are copied into place."""
         return 0
@@ -696,33 +803,45 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _piece_bytes(state: dict[str, torch.Tensor], piece: Piece) -> torch.Tensor:
-    """A piece's bytes as flat uint8, in the written tensor's row-major order, on the device
-    they live on: a view where they are contiguous in the local block, else one contiguous
-    copy of the piece (never of more)."""
-    t = _local(state[piece.source]).detach()
+def _piece_tensor(state: dict[str, torch.Tensor], piece: Piece) -> torch.Tensor:
+    """A piece's elements as a contiguous tensor, in the written tensor's row-major order, on
+    the device they live on: the local block itself where the piece is all of it, a view
+    where they are contiguous in it, else one contiguous copy of the piece (never of more)."""
+    t = _local(state[piece.source])
+    if t.requires_grad:
+        t = t.detach()
     if piece.local is not None:
         t = t[piece.local]
         if piece.perm is not None:
             t = t.permute(piece.perm)
         t = t.reshape(piece.block.shape)
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    return t if t.is_contiguous() else t.contiguous()
 
 
-def _scatter(sink: Any, entry: Entry, piece: Piece, start: int, data: torch.Tensor) -> None:
-    """Writes ``data``, bytes ``[start, start + n)`` of the piece's local bytes, to its runs."""
-    runs = piece.runs(entry)
-    if len(runs) == 1:  # most pieces: one run, no search
-        sink.write(entry.key, runs[0][0] + start, data)
-        return
-    cursor, end = 0, start + data.numel()
-    for offset, n in runs:
-        lo, hi = max(start, cursor), min(end, cursor + n)
-        if lo < hi:
-            sink.write(entry.key, offset + (lo - cursor), data[lo - start : hi - start])
-        cursor += n
-        if cursor >= end:
-            break
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _rows(message: list[Segment]) -> list[tuple[str, int, int, int]]:
+    """Where a message's bytes go: ``(key, offset in the written tensor, offset in the
+    message, nbytes)`` for each contiguous run (one per segment, mostly)."""
+    rows = []
+    at = 0
+    for e, p, start, n in message:
+        runs = p.runs(e)
+        if len(runs) == 1:  # most pieces: one run, no search
+            rows.append((e.key, runs[0][0] + start, at, n))
+        else:
+            cursor, end = 0, start + n
+            for offset, m in runs:
+                lo, hi = max(start, cursor), min(end, cursor + m)
+                if lo < hi:
+                    rows.append((e.key, offset + (lo - cursor), at + lo - start, hi - lo))
+                cursor += m
+                if cursor >= end:
+                    break
+        at += n
+    return rows
 
 
 class _PinnedSlots:
@@ -746,26 +865,12 @@ class _PinnedSlots:
         self.lease.release()
 
 
-def _placement(sink: Any, entry: Entry, piece: Piece, start: int) -> int:
-    """The address shift at which bytes ``start..`` of a piece go to the sink without a copy
-    (their file offset's, where the piece is one run of a file), else 0."""
-    runs = piece.runs(entry)
-    return sink.address_shift(entry.key, runs[0][0] + start) if len(runs) == 1 else 0
-
-
-def _write_local(sink: Any, entry: Entry, piece: Piece, data: torch.Tensor, chunk: int,
-                 pinned: _PinnedSlots | None, slot: int) -> None:
-    """Writes a piece's local bytes to the sink: from host memory as they are; from a GPU
-    chunk by chunk through pinned slot ``slot`` (never the whole block on the host)."""
-    if data.device.type == "cpu":
-        _scatter(sink, entry, piece, 0, data)
-        return
-    assert pinned is not None
-    for s in range(0, data.numel(), chunk):
-        n = min(chunk, data.numel() - s)
-        host = pinned.view(slot, n, _placement(sink, entry, piece, s))
-        host.copy_(data[s : s + n])  # D2H into pinned memory; returns once it is there
-        _scatter(sink, entry, piece, s, host)
+def _placement(sink: Any, message: list[Segment]) -> int:
+    """The address shift at which a message's bytes go to the sink without a copy (the file
+    offset's of its first byte, where that starts a run), else 0."""
+    e, p, start, _n = message[0]
+    runs = p.runs(e)
+    return sink.address_shift(e.key, runs[0][0] + start) if len(runs) == 1 else 0
 
 
 def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]) -> bool:
@@ -779,7 +884,8 @@ Segment = tuple[Entry, Piece, int, int]
 
 
 def plan_messages(items: list[tuple[Entry, Piece]], chunk: int) -> list[list[Segment]]:
-    """How one sender's pieces cross the link, computed alike by the sender and dst.
+    """How one rank's pieces travel, computed alike by a sender and dst (and by dst for its
+    own pieces on their way to the files).
 
     A piece of at least ``chunk`` bytes goes alone, in messages of ``chunk`` bytes (sent from
     its own memory); smaller pieces are packed back to back into messages of up to ``chunk``
@@ -789,7 +895,7 @@ def plan_messages(items: list[tuple[Entry, Piece]], chunk: int) -> list[list[Seg
     packed: list[Segment] = []
     used = 0
     for e, p in items:
-        n = p.nbytes(e)
+        n = p.block.numel * e.dtype.itemsize
         if n == 0:
             continue
         if n >= chunk:
@@ -810,6 +916,107 @@ def _message_nbytes(message: list[Segment]) -> int:
     return sum(s[3] for s in message)
 
 
+class _Stager:
+    """A rank's pieces as the bytes of its messages, on the device ``link`` wants.
+
+    A message that is one host segment (a large piece, or one small piece alone) is a view of
+    the piece's own memory; several host segments are packed by the compiled core into a host
+    slot; bytes on another device than ``link`` are copied chunk by chunk through a slot
+    (pinned for GPU bytes to the host, device for host bytes to NCCL). Three slots, so that
+    two messages can be in flight while the third is filled.
+
+    A piece that fails to read (``failure``) turns this and every later message into zeros
+    of the same size: the stream keeps its shape, so no peer waits, and the failure is
+    agreed afterwards.
+    """
+
+    def __init__(self, state: dict[str, torch.Tensor], chunk: int, link: torch.device,
+                 pinned: _PinnedSlots | None) -> None:
+        self.state, self.chunk, self.link, self.pinned = state, chunk, link, pinned
+        self.failure: BaseException | None = None
+        self.current: tuple[Piece | None, torch.Tensor | None] = (None, None)
+        self.zeros: torch.Tensor | None = None
+        self.dev_slots: torch.Tensor | None = None
+        self.host_slots: torch.Tensor | None = None
+
+    def _bytes(self, p: Piece) -> torch.Tensor | None:
+        """The piece as a contiguous tensor (of its own dtype: a byte view is only made where
+        one is sliced), or None once a piece failed to read."""
+        if self.failure is not None:
+            return None
+        if self.current[0] is p:  # a large piece, over several messages
+            return self.current[1]
+        try:
+            data = _piece_tensor(self.state, p)
+        except BaseException as exc:  # noqa: BLE001 - agreed after the stream ends
+            self.failure = exc
+            return None
+        self.current = (p, data)
+        return data
+
+    def _slot(self, slot: int, n: int, shift: int) -> torch.Tensor:
+        if self.link.type == "cuda":
+            if self.dev_slots is None:
+                self.dev_slots = torch.empty((3, self.chunk), dtype=torch.uint8,
+                                             device=self.link)
+            return self.dev_slots[slot, :n]
+        if self.pinned is not None:
+            return self.pinned.view(slot, n, shift)
+        if self.host_slots is None:
+            self.host_slots = torch.empty((3, self.chunk + 2 * _direct_io.ALIGN),
+                                          dtype=torch.uint8)
+        return _direct_io.place(self.host_slots[slot], n, shift)
+
+    def stage(self, message: list[Segment], slot: int, shift: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The message's bytes, and what must stay alive while they are read (a piece's own
+        memory sent without a copy). ``shift``: the address alignment wanted of a slot."""
+        n = _message_nbytes(message)
+        sources = [self._bytes(p) for _e, p, _s, _n in message]
+        if any(d is None for d in sources):
+            if self.zeros is None:
+                self.zeros = torch.zeros(self.chunk, dtype=torch.uint8, device=self.link)
+            return self.zeros[:n], None
+        if len(message) == 1 and sources[0].device.type == self.link.type:
+            s = message[0][2]
+            data = _flat_bytes(sources[0])
+            return data[s : s + n], data  # from where it lives
+        out = self._slot(slot, n, shift)
+        if self.link.type == "cpu" and all(d.device.type == "cpu" for d in sources):
+            # Many small host pieces: one native pass, no Python per byte.
+            rows, at = [], 0
+            for (_e, _p, s, m), d in zip(message, sources):
+                rows.append((d.data_ptr() + s, at, m))
+                at += m
+            _native.pack_segments(out, rows)  # the sources are alive: held here
+        else:
+            # Device copies are stream-ordered after the send that last read this slot (its
+            # wait() made the current stream wait for it); D2H into pinned memory returns
+            # once the bytes are there.
+            at = 0
+            for (_e, _p, s, m), d in zip(message, sources):
+                out[at : at + m].copy_(_flat_bytes(d)[s : s + m])
+                at += m
+        return out, None
+
+    def abandon(self) -> tuple:
+        """What a transport may still read after a peer failed (kept, never freed)."""
+        return (self.pinned, self.dev_slots, self.host_slots)
+
+
+def _write_own(state: dict[str, torch.Tensor], sink: Any, items: list[tuple[Entry, Piece]],
+               chunk: int, pinned: _PinnedSlots | None) -> None:
+    """Writes this rank's own pieces to the sink, message by message (:func:`plan_messages`):
+    small pieces packed, so the files see one batch of runs per chunk, not one call per
+    tensor; GPU bytes through ``pinned`` (never a whole block on the host)."""
+    stager = _Stager(state, chunk, torch.device("cpu"), pinned)
+    for message in plan_messages(items, chunk):
+        data, _keep = stager.stage(message, 0, _placement(sink, message))
+        if stager.failure is not None:
+            raise stager.failure
+        sink.write_batch(data, _rows(message))
+
+
 # Buffers of transfers that were posted when a peer failed: the transport may still read or
 # write them, so they are never freed (the group is unusable by then anyway).
 _ABANDONED: list[Any] = []
@@ -819,12 +1026,12 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
               ctx: _agree.GroupContext, dst_rank: int, chunk: int, what: str) -> None:
     """Moves every piece to dst's sink: dst's own directly, the others' over the link.
 
-    Each sender's pieces cross as the messages of :func:`plan_messages`: a large piece's from
+    Each rank's pieces travel as the messages of :func:`plan_messages`: a large piece's from
     its own memory, small pieces packed by the compiled core into one chunk. The link carries
     host chunks on a CPU backend (gloo) and device chunks on NCCL; bytes that live elsewhere
-    than the link wants cross over chunk by chunk: a GPU shard through pinned slots to gloo, a
-    host shard through device slots to NCCL, and on dst a received device chunk through a
-    pinned slot to the sink. No block is ever copied whole.
+    than the link wants cross over chunk by chunk (:class:`_Stager`): a GPU shard through
+    pinned slots to gloo, a host shard through device slots to NCCL, and on dst a received
+    device chunk through a pinned slot to the sink. No block is ever copied whole.
     """
     me = ctx.rank
     on_device = ctx.device.type == "cuda"  # NCCL: what crosses the link is device memory
@@ -849,19 +1056,9 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             _receive()
 
     def _send(messages: list[list[Segment]]) -> None:
-        # A sender that fails mid-stream (a shard that cannot be read) keeps the stream's
-        # shape -- zeros for the rest, never committed -- so dst is not left waiting; the
-        # failure is raised once every byte has been sent, and agreed in the final round.
-        failure: BaseException | None = None
-        zeros: torch.Tensor | None = None
         in_flight: collections.deque = collections.deque()  # two sends, with what they read
-        # Staging, 3 slots for 2 sends in flight: pinned where GPU bytes go to gloo, device
-        # where host bytes go to NCCL, host where small pieces are packed for gloo.
         pinned = _PinnedSlots(3, chunk) if gpu_shards and not on_device else None
-        dev_slots: torch.Tensor | None = None
-        pack_slots: torch.Tensor | None = None
-        current: tuple[Piece | None, torch.Tensor | None] = (None, None)  # a piece's bytes
-        posted = 0
+        stager = _Stager(state, chunk, ctx.device, pinned)
         done = False
 
         def wait_oldest() -> None:
@@ -869,70 +1066,16 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             try:
                 work.wait()
             except BaseException as exc:  # noqa: BLE001 - names the receiver
-                _ABANDONED.append((in_flight, pinned, dev_slots, pack_slots))
+                _ABANDONED.append((in_flight, stager.abandon()))
                 raise _watch.PeerFailure(ctx.ranks[dst_rank], exc) from exc
 
-        def bytes_of(p: Piece) -> torch.Tensor | None:
-            nonlocal failure, current
-            if failure is not None:
-                return None
-            if current[0] is p:
-                return current[1]
-            try:
-                data = _piece_bytes(state, p)
-            except BaseException as exc:  # noqa: BLE001
-                failure = exc
-                return None
-            current = (p, data)
-            return data
-
-        def slot_view(slot: int, n: int, device_type: str) -> torch.Tensor:
-            nonlocal dev_slots, pack_slots
-            if device_type == "cuda":
-                if dev_slots is None:
-                    dev_slots = torch.empty((3, chunk), dtype=torch.uint8, device=ctx.device)
-                return dev_slots[slot, :n]
-            if pinned is not None:
-                return pinned.view(slot, n)
-            if pack_slots is None:
-                pack_slots = torch.empty((3, chunk), dtype=torch.uint8)
-            return pack_slots[slot, :n]
-
         try:
-            for message in messages:
-                n = _message_nbytes(message)
+            for i, message in enumerate(messages):
                 if len(in_flight) == 2:
                     wait_oldest()  # its slot is free again
-                slot = posted % 3
-                link = "cuda" if on_device else "cpu"
-                sources = [bytes_of(p) for _e, p, _s, _n in message]
-                if any(d is None for d in sources):
-                    if zeros is None:
-                        zeros = torch.zeros(chunk, dtype=torch.uint8, device=ctx.device)
-                    piece, keep = zeros[:n], None
-                elif len(message) == 1 and sources[0].device.type == link:
-                    _e, _p, s, _n = message[0]
-                    piece, keep = sources[0][s : s + n], sources[0]  # from where it lives
-                else:
-                    piece = slot_view(slot, n, link)
-                    keep = None
-                    if link == "cpu" and all(d.device.type == "cpu" for d in sources):
-                        # Many small host pieces: one native pass, no Python per byte.
-                        rows, at = [], 0
-                        for (_e, _p, s, m), d in zip(message, sources):
-                            rows.append((d.data_ptr() + s, at, m))
-                            at += m
-                        _native.pack_segments(piece, rows)  # sources alive: held here
-                    else:
-                        # Stream-ordered after the send that last read this slot (its
-                        # wait() made the current stream wait for it).
-                        at = 0
-                        for (_e, _p, s, m), d in zip(message, sources):
-                            piece[at : at + m].copy_(d[s : s + m])
-                            at += m
-                in_flight.append((dist.isend(piece, ctx.ranks[dst_rank], group=ctx.group),
+                data, keep = stager.stage(message, i % 3)
+                in_flight.append((dist.isend(data, ctx.ranks[dst_rank], group=ctx.group),
                                   keep))
-                posted += 1
             while in_flight:
                 wait_oldest()
             if on_device:
@@ -941,8 +1084,8 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
         finally:
             if pinned is not None and done:
                 pinned.release()
-        if failure is not None:
-            raise _watch.LocalFailure(failure)
+        if stager.failure is not None:
+            raise _watch.LocalFailure(stager.failure)
 
     def _receive() -> None:
         failures: list[BaseException] = []  # the first is raised; appended from two threads
@@ -953,29 +1096,23 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             if failures:
                 return
             try:
-                at = 0
-                for e, p, s, n in message:
-                    _scatter(sink, e, p, s, data[at : at + n])
-                    at += n
+                sink.write_batch(data, _rows(message))
             except BaseException as exc:  # noqa: BLE001
                 failures.append(exc)
 
-        # Pinned slots: 0 for the own-blocks thread (GPU shards), 1 for received device chunks.
+        # Pinned slots: 0 for the own-pieces thread (GPU shards), 1 for received device chunks.
         pinned = _PinnedSlots(2, chunk) if gpu_shards or on_device else None
 
         def write_own() -> None:
             if on_device:
                 torch.cuda.set_device(ctx.device)
-            for e, p in mine:
-                if failures:
-                    return
-                try:
-                    _write_local(sink, e, p, _piece_bytes(state, p), chunk, pinned, 0)
-                except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
-                    failures.append(exc)
+            try:
+                _write_own(state, sink, mine, chunk, pinned)
+            except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
+                failures.append(exc)
 
         # Two receives in flight per sender, each written as it lands, while a second thread
-        # writes dst's own blocks: the link, the disk and the senders all keep busy.
+        # writes dst's own pieces: the link, the disk and the senders all keep busy.
         plans = {r: collections.deque(plan_messages(items, chunk))
                  for r, items in by_rank.items() if r != me}
         if on_device:
@@ -991,18 +1128,17 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 message = plans[r].popleft()
                 n = _message_nbytes(message)
                 raw = free[r].pop()
-                e, p, s, _n = message[0]
                 if on_device:
                     buf = raw[:n]
                 else:
                     # Placed as aligned as its place in the file: written direct, no copy.
-                    buf = _direct_io.place(raw, n, _placement(sink, e, p, s))
+                    buf = _direct_io.place(raw, n, _placement(sink, message))
                 work = dist.irecv(buf, ctx.ranks[r], group=ctx.group)
                 pending[r].append((work, raw, buf, message))
 
         for r in plans:
             post(r)
-        own = threading.Thread(target=write_own, name=f"distributed_ext {what} (own blocks)",
+        own = threading.Thread(target=write_own, name=f"distributed_ext {what} (own pieces)",
                                daemon=True)
         own.start()
         clean = False
@@ -1020,8 +1156,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                         raise _watch.PeerFailure(ctx.ranks[r], exc) from exc
                     if on_device:
                         assert pinned is not None
-                        e, p, s, _n = message[0]
-                        host = pinned.view(1, buf.numel(), _placement(sink, e, p, s))
+                        host = pinned.view(1, buf.numel(), _placement(sink, message))
                         host.copy_(buf)  # stream-ordered after the receive; host waits
                         write(message, host)
                     else:
@@ -1054,9 +1189,10 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     def plan(described: list[Described], dst_rank: int, ranks: list[int]) -> list[Entry]:
         holdings = merge_holdings(described, ranks, dst_rank,
                                   agree_plan([d.plan for d in described], ranks))
-        held = {k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()}
-        written = (_keys.resolve_written(model, held) if hub_keys and model is not None
-                   else [_keys.identity(k, dt, shape) for k, (dt, shape) in held.items()])
+        written = None
+        if hub_keys and model is not None:
+            written = _keys.resolve_written(model, {
+                k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()})
         return plan_entries(holdings, written, dst_rank, ranks)
 
     if not runtime.is_initialized():
@@ -1066,8 +1202,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         try:
             items = [(e, p) for e in entries for p in e.pieces]
             pinned = _PinnedSlots(1, chunk) if _needs_pinned(state, items) else None
-            for e, p in items:
-                _write_local(sink, e, p, _piece_bytes(state, p), chunk, pinned, 0)
+            _write_own(state, sink, items, chunk, pinned)
         except BaseException:
             sink.abort()
             raise
@@ -1188,7 +1323,8 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     def make_sink(entries: list[Entry]) -> FileSink:
         return FileSink(path, layout_files(entries, max_shard))
 
-    sink, model = _export(model_or_state, dst, group, make_sink, chunk_bytes, what)
+    with _cyclic_gc_paused():
+        sink, model = _export(model_or_state, dst, group, make_sink, chunk_bytes, what)
     if sink is not None:
         sink.commit(model)
     if runtime.is_initialized():
@@ -1212,6 +1348,7 @@ def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
     :func:`export_hf_checkpoint` for GPU-resident shards); nothing else.
     """
     what = "gather_full_state"
-    sink, _model = _export(model_or_state, dst, group, MemorySink, None, what,
-                           hub_keys=hub_keys)
+    with _cyclic_gc_paused():
+        sink, _model = _export(model_or_state, dst, group, MemorySink, None, what,
+                               hub_keys=hub_keys)
     return None if sink is None else sink.tensors

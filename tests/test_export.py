@@ -330,16 +330,22 @@ def test_bad_entries_raise_on_every_rank_before_any_byte_moves(kind, own, text, 
 
 def _disk_fills(out):
     if dist.get_rank() == 0:
-        real = E.FileSink.write
+        from distributed_ext import _direct_io
+
+        # The disk fills after the header and a few writes, whichever way they go (one run
+        # at a time, or many small runs in one native call).
         calls = []
 
-        def full(self, key, offset, data):
-            calls.append(key)
-            if len(calls) > 3:
-                raise OSError(28, "No space left on device")
-            real(self, key, offset, data)
+        def filling(real):
+            def write(self, *args):
+                calls.append(1)
+                if len(calls) > 3:
+                    raise OSError(28, "No space left on device")
+                real(self, *args)
+            return write
 
-        E.FileSink.write = full
+        _direct_io.DirectFile.write = filling(_direct_io.DirectFile.write)
+        _direct_io.DirectFile.write_segments = filling(_direct_io.DirectFile.write_segments)
     state = {f"w{i}": torch.full((50_000,), float(i)) for i in range(6)} if dist.get_rank() \
         else {}
     return _export_then_use_the_group(state, out, 64 * 1024)
@@ -431,7 +437,7 @@ def test_dst_memory_stays_a_few_chunks_whatever_the_model_size(tmp_path):
 def _sender_fails_mid_stream(out):
     r = dist.get_rank()
     if r == 1:
-        real, calls = E._piece_bytes, []
+        real, calls = E._piece_tensor, []
 
         def flaky(state, piece):
             calls.append(1)
@@ -439,7 +445,7 @@ def _sender_fails_mid_stream(out):
                 raise RuntimeError("shard 3 is unreadable")
             return real(state, piece)
 
-        E._piece_bytes = flaky
+        E._piece_tensor = flaky
     state = {f"r{r}.w{i}": torch.full((40_000,), float(i)) for i in range(6)}
     return _export_then_use_the_group(state, out, 32 * 1024)
 
@@ -540,17 +546,17 @@ def _export_killed_mid_transfer(out, victim, death_file):
     if r == victim:
         calls = []
         if victim == 0:  # dst: while writing what arrives
-            real_write = E.FileSink.write
+            real_write = E.FileSink.write_batch
 
-            def write(self, key, offset, data):
-                calls.append(key)
+            def write(self, data, rows):
+                calls.append(1)
                 if len(calls) == 20:
                     die()
-                real_write(self, key, offset, data)
+                real_write(self, data, rows)
 
-            E.FileSink.write = write
+            E.FileSink.write_batch = write
         else:  # a sender: on its third shard
-            real_local = E._piece_bytes
+            real_local = E._piece_tensor
 
             def local(state, piece):
                 calls.append(1)
@@ -558,7 +564,7 @@ def _export_killed_mid_transfer(out, victim, death_file):
                     die()
                 return real_local(state, piece)
 
-            E._piece_bytes = local
+            E._piece_tensor = local
     state = {f"r{r}.w{i}": torch.full((2 * 2**20,), float(i)) for i in range(6)}  # 8 MiB each
     try:
         dx.export_hf_checkpoint(state, out, chunk_bytes=2**20)
