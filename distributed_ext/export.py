@@ -676,10 +676,6 @@ class FileSink:
             self.abort()  # no temporary file outlives a failed start
             raise
 
-    def write(self, key: str, offset: int, data: torch.Tensor) -> None:
-        file, base = self.where[key]
-        file.write(base + offset, data)
-
     def write_batch(self, data: torch.Tensor, rows: list[tuple[str, int, int, int]]) -> None:
         """Writes ``data[at : at + n]`` at ``offset`` of each row's ``(key, offset, at, n)``:
         runs under ``SMALL_RUN`` bytes gathered per file into one native call, larger ones
@@ -765,9 +761,6 @@ class MemorySink:
         self.tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
         self.flat = {k: t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
                      for k, t in self.tensors.items()}
-
-    def write(self, key: str, offset: int, data: torch.Tensor) -> None:
-        self.flat[key][offset : offset + data.numel()].copy_(data)
 
     def write_batch(self, data: torch.Tensor, rows: list[tuple[str, int, int, int]]) -> None:
         """Copies ``data[at : at + n]`` to ``offset`` of each row's ``(key, offset, at, n)``

@@ -148,6 +148,111 @@ def test_fsdp2_model_exports_what_save_pretrained_writes_and_loads_with_equal_lo
         assert torch.equal(loaded(_input()).logits, logits)
 
 
+def _conversions(kind):
+    """Conversions a model can carry (from_pretrained records them on the model): a
+    transpose of the experts' down_proj (as Qwen3-VL-MoE's), or an interleave (a reshape
+    that copies: not a set of blocks)."""
+    from transformers.core_model_loading import Interleave, Transpose, WeightConverter
+
+    if kind == "transpose":
+        return [WeightConverter("mlp.experts.down_proj", "mlp.experts.down_proj",
+                                operations=[Transpose(1, 2)])]
+    return [WeightConverter("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj",
+                            operations=[Interleave(dim=1)])]
+
+
+def _export_converted(kind, out, reference_dir):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = build("qwen3-moe")
+    model._weight_conversions = _conversions(kind)
+    dx.fsdp2_wrap(model)
+    _train_step(model)
+    try:
+        dx.export_hf_checkpoint(model, out, max_shard_size="40KB")
+        result = ("ok",)
+    except Exception as exc:
+        result = ("raised", type(exc).__name__, str(exc))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if dist.get_rank() == 0 and result == ("ok",):
+        plain = build("qwen3-moe", seed=1)
+        plain._weight_conversions = _conversions(kind)
+        plain.load_state_dict(full)
+        plain.save_pretrained(reference_dir, max_shard_size="40KB")
+    return result, dx.all_reduce("after", lambda: 1, sum)
+
+
+def test_a_transposing_conversion_streams_transposed_blocks_of_the_shards(tmp_path):
+    out, reference_dir = str(tmp_path / "ckpt"), str(tmp_path / "reference")
+    values = assert_all_ok(run_ranks(_export_converted, 3, "transpose", out, reference_dir,
+                                     timeout=240))
+    assert all(v == (("ok",), 3) for v in values), values
+    written, reference = _read_checkpoint(out), _read_checkpoint(reference_dir)
+    assert sorted(written) == sorted(reference)
+    key = "model.layers.0.mlp.experts.0.down_proj.weight"
+    assert key not in written  # the transposed fused tensor is written as it is
+    assert written["model.layers.0.mlp.experts.down_proj"].shape == (4, 32, 64)
+    for k, v in reference.items():
+        assert torch.equal(written[k], v), k
+
+
+def test_a_conversion_that_cannot_stream_is_refused_on_every_rank_before_any_byte(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "keep.txt").write_text("an earlier file")
+    values = assert_all_ok(run_ranks(_export_converted, 2, "interleave", str(out),
+                                     str(tmp_path / "reference"), timeout=240))
+    for (kind, name, text), after in values:
+        assert (kind, name, after) == ("raised", "ValueError", 2)
+        assert "'model.layers.0.mlp.experts.gate_up_proj'" in text and "reshape" in text
+        assert "gather_full_state" in text and "save_pretrained" in text
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+
+
+def _export_state_dict_with_fused_names(out):
+    state = {"model.layers.0.mlp.experts.gate_up_proj": torch.arange(24.0).reshape(2, 4, 3),
+             "model.layers.0.mlp.experts.down_proj": torch.ones(2, 3, 2)}
+    dx.export_hf_checkpoint(state, out)
+    return True
+
+
+def test_a_state_dict_is_written_with_its_own_keys(tmp_path):
+    out = str(tmp_path / "ckpt")
+    assert_all_ok(run_ranks(_export_state_dict_with_fused_names, 2, out))
+    written = _read_checkpoint(out)
+    assert sorted(written) == ["model.layers.0.mlp.experts.down_proj",
+                               "model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(written["model.layers.0.mlp.experts.gate_up_proj"],
+                       torch.arange(24.0).reshape(2, 4, 3))
+
+
+def _export_many_small(out, n):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for i in range(n):  # 1 KiB per rank each, some bf16, one uneven
+        full = torch.randn(256 * dist.get_world_size() - (i == 7), generator=g)
+        state[f"layers.{i}.w"] = distribute_tensor(
+            full.to(torch.bfloat16) if i % 3 == 0 else full, mesh, [Shard(0)])
+    dx.export_hf_checkpoint(state, out, max_shard_size="3MB")
+    full = {k: v.full_tensor() for k, v in state.items()}  # torch's own assembly
+    return full if dist.get_rank() == 0 else None
+
+
+def test_many_small_tensors_are_packed_and_land_exactly(tmp_path):
+    out = str(tmp_path / "ckpt")
+    values = assert_all_ok(run_ranks(_export_many_small, 4, out, 3000, timeout=240))
+    reference = values[0]
+    written = _read_checkpoint(out)
+    assert len(os.listdir(out)) == 4 + 1  # 3 files and an index (~9 MB in all)
+    assert sorted(written) == sorted(reference)
+    for k, v in reference.items():
+        assert written[k].dtype == v.dtype and torch.equal(written[k], v), k
+
+
 def _counting_sends(fn):
     """Runs ``fn()``; the bytes this rank sent (every isend of the export counted)."""
     sent, real_send = [], E.dist.isend

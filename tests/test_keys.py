@@ -1,0 +1,94 @@
+"""distributed_ext._keys in one process: the hub's layout traced through transformers' own
+revert_weight_conversion, checked against that function run on the real tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_ext import _keys
+
+pytest.importorskip("transformers", reason="the key mapping is transformers' own")
+
+from test_export import FAMILIES, build  # noqa: E402 - after the importorskip
+
+
+def _assemble(written: _keys.Written, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A written tensor rebuilt from its parts' boxes of the in-memory tensors."""
+    out = torch.full(written.shape, float("nan"), dtype=written.dtype)
+    for p in written.parts:
+        src = state[p.source]
+        box = src[tuple(slice(p.src_start[d], p.src_stop(d)) for d in range(src.dim()))]
+        order = [d for d in p.src_dims if d >= 0]
+        box = box.permute(order + [d for d in range(src.dim()) if d not in order])
+        out[tuple(slice(a, a + n) for a, n in zip(p.at, p.shape))] = box.reshape(p.shape)
+    return out
+
+
+def _held(state):
+    return {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_written_tensor_is_the_boxes_revert_weight_conversion_takes(family):
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = build(family)
+    state = model.state_dict()
+    reference = revert_weight_conversion(model, dict(state))
+    written = _keys.resolve_written(model, _held(state))
+    assert sorted(w.key for w in written) == sorted(reference)
+    for w in written:
+        assert w.unstreamable is None, (w.key, w.unstreamable)
+        assert w.shape == tuple(reference[w.key].shape) and w.dtype == reference[w.key].dtype
+        assert torch.equal(_assemble(w, state), reference[w.key]), w.key
+    if family in ("llama", "qwen2-tied"):  # no conversion: every key as it is
+        assert all(len(w.parts) == 1 and w.parts[0].source == w.key for w in written)
+
+
+def _with_conversions(model, conversions):
+    model._weight_conversions = conversions  # what from_pretrained records on a model
+    return model
+
+
+def test_a_transpose_is_a_box_with_its_dims_swapped():
+    from transformers.core_model_loading import (
+        Transpose,
+        WeightConverter,
+        revert_weight_conversion,
+    )
+
+    model = _with_conversions(build("qwen3-moe"), [WeightConverter(
+        "mlp.experts.down_proj", "mlp.experts.down_proj", operations=[Transpose(1, 2)])])
+    state = model.state_dict()
+    reference = revert_weight_conversion(model, dict(state))
+    written = {w.key: w for w in _keys.resolve_written(model, _held(state))}
+    w = written["model.layers.0.mlp.experts.down_proj"]
+    assert w.shape == tuple(reference[w.key].shape) == (4, 32, 64)
+    assert w.parts[0].src_dims == (0, 2, 1) and w.parts[0].is_permuted
+    for key, ref in reference.items():
+        assert torch.equal(_assemble(written[key], state), ref), key
+
+
+def test_an_operation_that_is_not_a_view_is_recorded_on_its_key():
+    from transformers.core_model_loading import Interleave, WeightConverter
+
+    model = _with_conversions(build("mixtral"), [WeightConverter(
+        "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj", operations=[Interleave(dim=1)])])
+    written = {w.key: w for w in _keys.resolve_written(model, _held(model.state_dict()))}
+    bad = written["model.layers.1.mlp.experts.gate_up_proj"]
+    assert bad.unstreamable is not None and "reshape" in bad.unstreamable
+    assert written["model.layers.1.mlp.experts.down_proj"].unstreamable is None
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda t: t[1], ((1, 0, 0), (1, 2))),
+    (lambda t: t[:, 2:5], ((0, 2, 0), (0, 1, 2))),
+    (lambda t: t.transpose(1, 2)[3], ((3, 0, 0), (2, 1))),
+    (lambda t: torch.chunk(t, 2, dim=1)[1].squeeze(0)[0], ((0, 3, 0), (1, 2))),
+    (lambda t: t.reshape(4, 30), None),  # a dim spanning two in-memory dims
+    (lambda t: t.reshape(-1)[5:9], ((0, 1, 0), (2,))),
+])
+def test_box_of_reads_a_view_as_a_box(make, expected):
+    base = torch.empty((4, 6, 5), device="meta")
+    assert _keys.box_of(make(base), (4, 6, 5)) == expected
