@@ -80,8 +80,14 @@ _SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 def _dtensor_type() -> type | None:
     """torch's DTensor class if its module is loaded (a state with DTensors has loaded it)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+    global _DTENSOR
+    if _DTENSOR is None:
+        module = sys.modules.get("torch.distributed.tensor")
+        _DTENSOR = getattr(module, "DTensor", None)
+    return _DTENSOR
+
+
+_DTENSOR: type | None = None
 
 
 @contextlib.contextmanager
@@ -966,7 +972,7 @@ class _Stager:
         memory sent without a copy). ``shift``: the address alignment wanted of a slot."""
         n = _message_nbytes(message)
         sources = [self._bytes(p) for _e, p, _s, _n in message]
-        if any(d is None for d in sources):
+        if self.failure is not None:
             if self.zeros is None:
                 self.zeros = torch.zeros(self.chunk, dtype=torch.uint8, device=self.link)
             return self.zeros[:n], None
@@ -975,12 +981,17 @@ class _Stager:
             data = _flat_bytes(sources[0])
             return data[s : s + n], data  # from where it lives
         out = self._slot(slot, n, shift)
-        if self.link.type == "cpu" and all(d.device.type == "cpu" for d in sources):
-            # Many small host pieces: one native pass, no Python per byte.
-            rows, at = [], 0
+        rows: list[tuple[int, int, int]] | None = [] if self.link.type == "cpu" else None
+        if rows is not None:
+            at = 0
             for (_e, _p, s, m), d in zip(message, sources):
+                if d.is_cuda:
+                    rows = None
+                    break
                 rows.append((d.data_ptr() + s, at, m))
                 at += m
+        if rows is not None:
+            # Many small host pieces: one native pass, no Python per byte.
             _native.pack_segments(out, rows)  # the sources are alive: held here
         else:
             # Device copies are stream-ordered after the send that last read this slot (its
