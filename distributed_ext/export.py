@@ -70,6 +70,8 @@ EXPORT_CHUNK_BYTES = 16 * 2**20
 # Runs shorter than this are written in one native call per file and message (a direct write
 # of them would gain nothing: at most a block or two of them is aligned).
 SMALL_RUN = 64 * 2**10
+# The most small pieces one message packs (less than a chunk: the stages then overlap).
+PACK_BYTES = 2**20
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
@@ -303,10 +305,15 @@ class Piece:
     _runs: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
 
     def runs(self, entry: Entry) -> list[tuple[int, int]]:
-        """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once
-        per block, shape and dtype size (many tensors share them: read-only)."""
+        """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once."""
         if self._runs is None:
-            self._runs = _cached_runs(self.block, entry.shape, entry.dtype.itemsize)
+            b = self.block
+            if b.shape[1:] == entry.shape[1:] and b.shape:
+                # Whole rows (a Shard(0) block, a whole tensor): one run, nothing to search.
+                row = b.numel // b.shape[0] * entry.dtype.itemsize if b.shape[0] else 0
+                self._runs = [(b.offset[0] * row, b.numel * entry.dtype.itemsize)]
+            else:  # shared between the pieces of one block, shape and dtype size: read-only
+                self._runs = _cached_runs(b, entry.shape, entry.dtype.itemsize)
         return self._runs
 
     def nbytes(self, entry: Entry) -> int:
@@ -321,10 +328,10 @@ class Entry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     pieces: list[Piece] = field(default_factory=list)
+    nbytes: int = field(init=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -494,7 +501,7 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
     itemsize = entry.dtype.itemsize
     covered = 0
     for wb, owners in got[0]:
-        sender = _choose_sender(owners, dst_rank, load)
+        sender = owners[0] if len(owners) == 1 else _choose_sender(owners, dst_rank, load)
         if sender != dst_rank:
             load[sender] += wb.numel * itemsize
         entry.pieces.append(Piece(entry.key, sender, wb, source))
@@ -697,6 +704,28 @@ class FileSink:
         for file, segments in small.items():
             file.write_segments(segments)  # data is held by the caller meanwhile
 
+    def write_message(self, data: torch.Tensor, message: list[Segment]) -> None:
+        """Writes a message's bytes (:func:`plan_messages`) to their places: one pass over its
+        segments, the runs under ``SMALL_RUN`` bytes gathered per file into one native call
+        (a message of 100k small pieces costs no Python call per piece beyond this loop)."""
+        small: dict[_direct_io.DirectFile, list[tuple[int, int, int]]] = {}
+        rows: list[tuple[str, int, int, int]] = []  # pieces of several runs, and large runs
+        ptr = data.data_ptr()
+        where = self.where
+        at = 0
+        for e, p, start, n in message:
+            runs = p.runs(e)
+            if len(runs) == 1 and n < SMALL_RUN:
+                file, base = where[e.key]
+                small.setdefault(file, []).append((ptr + at, base + runs[0][0] + start, n))
+            else:
+                rows.extend(_rows([(e, p, start, n)], at))
+            at += n
+        for file, segments in small.items():
+            file.write_segments(segments)  # data is held by the caller meanwhile
+        if rows:
+            self.write_batch(data, rows)
+
     def address_shift(self, key: str, offset: int) -> int:
         """Where a receive buffer for bytes at ``offset`` of ``key`` should start (mod
         ``ALIGN``) for its bytes to be written direct without a copy."""
@@ -768,6 +797,10 @@ class MemorySink:
         self.flat = {k: t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
                      for k, t in self.tensors.items()}
 
+    def write_message(self, data: torch.Tensor, message: list[Segment]) -> None:
+        """Copies a message's bytes (:func:`plan_messages`) into the tensors."""
+        self.write_batch(data, _rows(message))
+
     def write_batch(self, data: torch.Tensor, rows: list[tuple[str, int, int, int]]) -> None:
         """Copies ``data[at : at + n]`` to ``offset`` of each row's ``(key, offset, at, n)``
         tensor, in one native pass (bounds checked here: the rows come from the plan)."""
@@ -793,6 +826,8 @@ class MemorySink:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``t``: a DTensor's local shard, else ``t`` itself."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return t
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(t, dtensor):
         # The local shard itself (what to_local() returns, without its autograd node: a few
@@ -821,11 +856,11 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _rows(message: list[Segment]) -> list[tuple[str, int, int, int]]:
+def _rows(message: list[Segment], at: int = 0) -> list[tuple[str, int, int, int]]:
     """Where a message's bytes go: ``(key, offset in the written tensor, offset in the
-    message, nbytes)`` for each contiguous run (one per segment, mostly)."""
+    message, nbytes)`` for each contiguous run (one per segment, mostly); ``at``: where the
+    first segment starts in the message."""
     rows = []
-    at = 0
     for e, p, start, n in message:
         runs = p.runs(e)
         if len(runs) == 1:  # most pieces: one run, no search
@@ -873,9 +908,9 @@ def _placement(sink: Any, message: list[Segment]) -> int:
 
 
 def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]) -> bool:
-    """Whether any of these pieces' bytes live on a GPU (only then is pinned memory taken)."""
-    sources = {p.source for _e, p in pieces}
-    return any(_local(state[s]).device.type != "cpu" for s in sources)
+    """Whether any of these pieces' bytes live on a GPU (only then is pinned memory taken).
+    (A DTensor is on its local shard's device.)"""
+    return any(state[p.source].is_cuda for _e, p in pieces)
 
 
 # A message: the (entry, piece, start, nbytes) segments it carries, back to back.
@@ -887,12 +922,15 @@ def plan_messages(items: list[tuple[Entry, Piece]], chunk: int) -> list[list[Seg
     own pieces on their way to the files).
 
     A piece of at least ``chunk`` bytes goes alone, in messages of ``chunk`` bytes (sent from
-    its own memory); smaller pieces are packed back to back into messages of up to ``chunk``
-    bytes, so that a model of 100k small tensors costs a few messages, not 100k.
+    its own memory); smaller pieces are packed back to back into messages of up to
+    ``PACK_BYTES`` (1 MiB), so that a model of 100k small tensors costs a few messages, not
+    100k, and dst writes one while the sender packs the next.
     """
     out: list[list[Segment]] = []
     packed: list[Segment] = []
     used = 0
+    # Packed messages stay small enough that a receiver writes one while the next is packed.
+    cap = min(chunk, PACK_BYTES)
     for e, p in items:
         n = p.block.numel * e.dtype.itemsize
         if n == 0:
@@ -901,7 +939,7 @@ def plan_messages(items: list[tuple[Entry, Piece]], chunk: int) -> list[list[Seg
             for s in range(0, n, chunk):
                 out.append([(e, p, s, min(chunk, n - s))])
             continue
-        if used + n > chunk:
+        if packed and used + n > cap:
             out.append(packed)
             packed, used = [], 0
         packed.append((e, p, 0, n))
@@ -1018,7 +1056,7 @@ def _write_own(state: dict[str, torch.Tensor], sink: Any, items: list[tuple[Entr
         data, _keep = stager.stage(message, 0, _placement(sink, message))
         if stager.failure is not None:
             raise stager.failure
-        sink.write_batch(data, _rows(message))
+        sink.write_message(data, message)
 
 
 # Buffers of transfers that were posted when a peer failed: the transport may still read or
@@ -1100,7 +1138,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             if failures:
                 return
             try:
-                sink.write_batch(data, _rows(message))
+                sink.write_message(data, message)
             except BaseException as exc:  # noqa: BLE001
                 failures.append(exc)
 

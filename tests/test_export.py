@@ -3,6 +3,7 @@ state dicts), loaded back by safetensors and transformers, and their failure and
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -651,15 +652,15 @@ def _export_killed_mid_transfer(out, victim, death_file):
     if r == victim:
         calls = []
         if victim == 0:  # dst: while writing what arrives
-            real_write = E.FileSink.write_batch
+            real_write = E.FileSink.write_message
 
-            def write(self, data, rows):
+            def write(self, data, message):
                 calls.append(1)
                 if len(calls) == 20:
                     die()
-                real_write(self, data, rows)
+                real_write(self, data, message)
 
-            E.FileSink.write_batch = write
+            E.FileSink.write_message = write
         else:  # a sender: on its third shard
             real_local = E._piece_tensor
 
@@ -699,3 +700,28 @@ def test_a_rank_killed_mid_export_is_named_by_every_survivor_within_10_s(victim,
     assert not [n for n in names if not n.endswith(".tmp")], names
     if victim != 0:
         assert names == []
+
+
+@pytest.mark.parametrize("sizes, chunk, expected", [
+    ([1024] * 5, 4096, [[1024] * 4, [1024]]),  # small pieces packed, up to a chunk
+    ([3 * 2**20, 512, 512], 16 * 2**20, [[3 * 2**20], [512, 512]]),  # over PACK_BYTES: alone
+    ([10_000, 100, 0, 100], 4096, [[4096], [4096], [1808], [100, 100]]),  # large: in chunks
+    ([0], 4096, []),
+])
+def test_plan_messages_packs_small_pieces_and_never_plans_an_empty_message(sizes, chunk,
+                                                                          expected):
+    items = []
+    for i, n in enumerate(sizes):
+        e = E.Entry(f"k{i}", torch.uint8, (n,))
+        p = E.Piece(e.key, 1, E.Block((0,), (n,)), e.key)
+        e.pieces.append(p)
+        items.append((e, p))
+    messages = E.plan_messages(items, chunk)
+    assert [[seg[3] for seg in m] for m in messages] == expected
+    assert all(m for m in messages)
+    # Every byte of every piece exactly once, in order.
+    flat = [(seg[0].key, seg[2], seg[3]) for m in messages for seg in m]
+    for key in {k for k, _s, _n in flat}:
+        spans = [(s, n) for k, s, n in flat if k == key]
+        assert [s for s, _n in spans] == list(itertools.accumulate(
+            [0] + [n for _s, n in spans[:-1]]))
