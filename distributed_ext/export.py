@@ -999,8 +999,8 @@ class _Stager:
             return self.dev_slots[slot, :n]
         if self.pinned is not None:
             return self.pinned.view(slot, n, shift)
-        if self.host_slots is None:
-            self.host_slots = torch.empty((3, self.chunk + 2 * _direct_io.ALIGN),
+        if self.host_slots is None:  # only packed messages come here: at most PACK_BYTES
+            self.host_slots = torch.empty((3, min(self.chunk, PACK_BYTES) + 2 * _direct_io.ALIGN),
                                           dtype=torch.uint8)
         return _direct_io.place(self.host_slots[slot], n, shift)
 
@@ -1329,12 +1329,20 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two
     transport chunks per sender (``chunk_bytes``, default 16 MiB), two 8 MiB bounce buffers
-    for direct writes, and metadata; its own blocks' bytes are written from its own tensors.
+    for direct writes, three 1 MiB slots where its own small tensors are packed, and metadata
+    (a few hundred bytes per tensor); its large blocks are written from its own tensors.
     The files bypass the page cache (``O_DIRECT``) where the filesystem allows, so the
     checkpoint takes no kernel memory either, and is on the disk when the call returns
     (elsewhere the page cache holds it until ``fsync``, before the rename). A sender holds
-    nothing beyond its shards where they are contiguous (else one contiguous copy of one
-    block at a time, on the block's own device).
+    its shards, three 1 MiB slots where its small pieces are packed, and at most one
+    contiguous copy of one piece at a time where a piece is not contiguous in its shard (a
+    transposed or column block), on the piece's own device.
+
+    Cost: by bytes, not tensor count. Pieces under 1 MiB are packed into shared messages by
+    the compiled core and written by dst in one native call per file and message; the
+    metadata round carries compact tables; a DTensor's blocks are computed on every rank from
+    its global shape, mesh and placements. Python's cyclic garbage collector is paused for
+    the call (its collections walk every object a large model holds).
 
     GPU-resident shards never cross whole: on NCCL they are sent from device memory chunk by
     chunk and dst receives into two device chunks per sender, staged through a pinned chunk
