@@ -2,27 +2,33 @@
 
 The flow, on every rank of the group:
 
-1. Metadata round (``all_reduce``): each rank describes its entries -- key, dtype, global
-   shape, and the block of the full tensor it holds (a DTensor's local shard and its global
-   offset, or the whole tensor for a plain one). A bad entry (a ``Partial`` placement, a dtype
-   safetensors cannot store) raises on every rank before any byte moves.
-2. Plan, computed alike on every rank from that metadata: for each key, which rank sends which
-   block (replicas once: dst's own copy if it has one, else the least-loaded holder's; a
-   model's recorded :class:`~distributed_ext.DistributionPlan` is checked against what the
-   ranks hold), where every
-   byte lands (file and offset, or offset in the full tensor), and an agreed error for keys
-   whose ranks disagree on dtype or shape, or whose blocks do not cover the tensor.
+1. Metadata round (``all_reduce``): each rank describes its in-memory entries as compact
+   tables -- its keys, and per key an index into a few distinct signatures (dtype, global
+   shape, and for a DTensor its placements and mesh). A bad entry (a ``Partial`` placement,
+   a dtype safetensors cannot store) raises on every rank before any byte moves.
+2. Plan, computed alike on every rank from that metadata: who holds which block of each
+   in-memory tensor (a DTensor's blocks computed locally from its shape, mesh and
+   placements), the tensors to write (for a model, the hub's layout that ``save_pretrained``
+   writes: :mod:`distributed_ext._keys`, each written tensor a set of boxes of in-memory
+   tensors), and for each, which rank sends which block (replicas once: dst's own copy if it
+   has one, else the least-loaded holder's; a model's recorded
+   :class:`~distributed_ext.DistributionPlan` is checked against what the ranks hold), and
+   an agreed error for keys whose ranks disagree on dtype or shape, whose blocks do not cover
+   the tensor, or whose conversion cannot be streamed.
 3. Preparing round: dst opens temporary files in the target directory (or allocates the full
    tensors); a failure raises on every rank.
-4. Data: each sender streams its blocks, in plan order, in pieces of at most ``chunk_bytes``;
-   dst writes each piece to its place as it arrives (``os.pwrite`` per contiguous run, with
-   ``O_DIRECT`` where the filesystem takes it: :mod:`distributed_ext._direct_io`), while a
-   second thread writes dst's own blocks, which never cross the link. Waits are watched
-   (:mod:`distributed_ext._watch`).
+4. Data: each rank's pieces travel as the messages of :func:`plan_messages` -- large pieces
+   in ``chunk_bytes`` pieces from their own memory, small ones packed by the compiled core --
+   and dst writes each message to its places as it arrives (small runs in one native call per
+   file, large ones with ``O_DIRECT`` where the filesystem takes it:
+   :mod:`distributed_ext._direct_io`), while a second thread writes dst's own pieces, which
+   never cross the link. Waits are watched (:mod:`distributed_ext._watch`).
 5. Final round: any failure (a full disk, a dead peer, an interrupt) makes every rank raise,
    and dst removes its temporary files; else dst renames them into place, writes the index,
    ``config.json`` and ``generation_config.json``, and removes stale shards of an earlier
    checkpoint, as ``save_pretrained`` does.
+
+The checkpoint's layout and the families tested: ``docs/checkpoint.md``.
 """
 
 from __future__ import annotations

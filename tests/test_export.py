@@ -79,13 +79,17 @@ def _export_fsdp2(family, out, reference_dir, max_shard):
                                                                 cpu_offload=True))
     ours = dx.gather_full_state(model)
     hub = dx.gather_full_state(model, hub_keys=True)
+    fused = [p for n, p in model.named_parameters() if n.endswith("experts.down_proj")
+             or n.endswith("experts.gate_up_proj")]
+    experts = dx.all_reduce("experts held", lambda: fused[0].to_local().shape[0], list) \
+        if fused else None
     if dist.get_rank() != 0:
         return None
     # The reference artifact: save_pretrained of the same model, unwrapped, with the full state.
     plain = build(family, seed=1)
     plain.load_state_dict(full)
     plain.save_pretrained(reference_dir, max_shard_size=max_shard)
-    return logits, {k: v.clone() for k, v in full.items()}, ours, hub
+    return logits, {k: v.clone() for k, v in full.items()}, ours, hub, experts
 
 
 def _read_checkpoint(directory):
@@ -112,7 +116,7 @@ def test_fsdp2_model_exports_what_save_pretrained_writes_and_loads_with_equal_lo
     out, reference_dir = str(tmp_path / "ckpt"), str(tmp_path / "reference")
     values = assert_all_ok(run_ranks(_export_fsdp2, world, family, out, reference_dir,
                                      max_shard, timeout=240))
-    logits, full, ours, hub = values[0]
+    logits, full, ours, hub, experts = values[0]
     files = sorted(os.listdir(out))
     shards = [f for f in files if f.endswith(".safetensors")]
     assert "config.json" in files and not any(f.endswith(".tmp") for f in files)
@@ -141,6 +145,10 @@ def test_fsdp2_model_exports_what_save_pretrained_writes_and_loads_with_equal_lo
         data = sum(written[k].numel() * written[k].element_size() for k in keys)
         # At most max_shard_size of tensors per file, unless one tensor alone is larger (as HF).
         assert len(keys) == 1 or data <= E.parse_shard_size(max_shard), (name, data)
+    if max_shard != "5GB":
+        assert len(shards) > 1  # several files and an index
+    if world == 3 and experts is not None:
+        assert experts == [2, 2, 0]  # 4 experts over 3 ranks: FSDP2's split of dim 0
     if family == "qwen2-tied":
         assert "lm_head.weight" not in written  # tied: written once, re-tied on load
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -229,26 +237,32 @@ def test_a_state_dict_is_written_with_its_own_keys(tmp_path):
 
 
 def _export_many_small(out, n):
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)
-    state = {}
-    for i in range(n):  # 1 KiB per rank each, some bf16, one uneven
-        full = torch.randn(256 * dist.get_world_size() - (i == 7), generator=g)
-        state[f"layers.{i}.w"] = distribute_tensor(
-            full.to(torch.bfloat16) if i % 3 == 0 else full, mesh, [Shard(0)])
-    dx.export_hf_checkpoint(state, out, max_shard_size="3MB")
-    full = {k: v.full_tensor() for k, v in state.items()}  # torch's own assembly
-    return full if dist.get_rank() == 0 else None
+    state, sources = {}, {}
+    for i in range(n):  # 1 KiB per rank each (fp32), some bf16, one uneven
+        full = torch.randn(256 * world - (i == 7), generator=g)
+        full = full.to(torch.bfloat16) if i % 3 == 0 else full
+        local = torch.chunk(full, world)[rank].clone()  # Shard(0)'s own split
+        state[f"layers.{i}.w"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                    shape=full.shape, stride=full.stride())
+        sources[f"layers.{i}.w"] = full
+    dx.export_hf_checkpoint(state, out, max_shard_size="5MB")
+    # torch's own assembly of a sample (all n would take ~25 s: one collective per entry)
+    for k in list(state)[::250] + ["layers.7.w"]:
+        assert torch.equal(state[k].full_tensor(), sources[k]), k
+    return sources if rank == 0 else None
 
 
 def test_many_small_tensors_are_packed_and_land_exactly(tmp_path):
     out = str(tmp_path / "ckpt")
-    values = assert_all_ok(run_ranks(_export_many_small, 4, out, 3000, timeout=240))
+    values = assert_all_ok(run_ranks(_export_many_small, 4, out, 5000, timeout=240))
     reference = values[0]
     written = _read_checkpoint(out)
-    assert len(os.listdir(out)) == 4 + 1  # 3 files and an index (~9 MB in all)
+    assert len(os.listdir(out)) == 4 + 1  # 4 files of <= 5 MB and an index (~17 MB in all)
     assert sorted(written) == sorted(reference)
     for k, v in reference.items():
         assert written[k].dtype == v.dtype and torch.equal(written[k], v), k
