@@ -44,10 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.many:
         base = os.environ.get("DEXT_BENCH_DIR") or tempfile.gettempdir()
+        load = os.getloadavg()  # the machine's load before our ranks add to it
         rows = measure_many(args.many_world, args.many_bytes, args.many_entries, 100,
                             args.repeat, base)
         print("\n".join(format_many(rows, args.many_world, args.many_bytes,
-                                     args.many_entries, base)))
+                                     args.many_entries, base, load)))
         return 0
     results = []
     for size in args.sizes:
@@ -143,12 +144,12 @@ def measure_many(world: int, per_rank: int, many: int, few_factor: int, repeat: 
 
 
 def format_many(rows: list[tuple[str, int, Timing]], world: int, per_rank: int, many: int,
-                base: str) -> list[str]:
+                base: str, load: tuple[float, float, float]) -> list[str]:
     lines = [f"many tensors: world {world} on gloo, Shard(0) fp32 DTensors, the same bytes "
              f"({format_size(many * per_rank * world)}) as {many} entries of "
              f"{format_size(per_rank)} per rank and as fewer, larger ones; writing to {base} "
-             f"({_filesystem(base)}); load average before: "
-             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+             f"({_filesystem(base)}); load average (1/5/15 min) before the run: "
+             f"{' '.join(f'{x:.2f}' for x in load)}",
              "| route | entries | first call s | warm median s | warm min-max s |",
              "|---|---|---|---|---|"]
     for route, entries, t in rows:
