@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from harness import run_torchrun
+from harness import REPO, run_torchrun
 
 from distributed_ext import bench
 
@@ -209,3 +209,23 @@ def test_export_workload_reports_ours_beside_torchs_routes_and_the_disk(tmp_path
     out = capsys.readouterr().out
     assert "first call vs the faster torch route" in out and "write rate vs the disk's" in out
     assert os.listdir(tmp_path) == ["e.json"]  # every checkpoint removed after its call
+
+
+def test_many_tensors_scenario_prints_both_routes_the_ratios_and_the_filesystem(
+        tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_export_script", os.path.join(REPO, "benchmarks", "bench_export.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("DEXT_BENCH_DIR", str(tmp_path))
+    assert module.main(["--many", "--many-world", "2", "--many-entries", "200",
+                        "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    for route, entries in (("distributed_ext", 200), ("distributed_ext", 2),
+                           ("torch full_tensor()+save_file", 200)):
+        assert f"| {route} | {entries} |" in out
+    assert "many / few entries, warm" in out and "torch's route / ours" in out
+    assert f"writing to {tmp_path}" in out and "load average" in out
+    assert os.listdir(tmp_path) == []  # every checkpoint removed after its call
