@@ -196,7 +196,6 @@ class Described:
     sig_ids: bytes  # array('i') of one index per key
     signatures: list[Signature]
     plan: tuple | None = None
-    args: tuple = ()
 
 
 def _placement_code(key: str, p: Any) -> tuple:
@@ -215,13 +214,14 @@ def _placement_code(key: str, p: Any) -> tuple:
                      ".full_tensor() first")
 
 
-def describe_state(state: dict[str, Any], plan: tuple | None = None, args: tuple = ()
-                   ) -> Described:
+def describe_state(state: dict[str, Any], plan: tuple | None = None) -> Described:
     """This rank's entries as compact tables; TypeError/ValueError naming the key of an
     entry the export cannot write (not a tensor, a dtype safetensors cannot store, a
-    ``Partial`` DTensor, a sparse or meta tensor)."""
+    ``Partial`` or ``_StridedShard`` DTensor, a local shard of another shape than its
+    placements say, a sparse or meta tensor)."""
     dtensor = _dtensor_type()
-    sigs: dict[Any, int] = {}  # cache: (dtype, shape, placements, id(mesh)) -> index
+    # (dtype, shape, placements, id(mesh)) -> (signature index, this rank's local shape)
+    sigs: dict[Any, tuple[int, tuple[int, ...] | None]] = {}
     table: list[Signature] = []
     ids = array.array("i")
     for key, t in state.items():
@@ -235,30 +235,32 @@ def describe_state(state: dict[str, Any], plan: tuple | None = None, args: tuple
             spec = t._spec
             mesh = spec.mesh
             cache_key: Any = (t.dtype, t.shape, spec.placements, id(mesh))
-            index = sigs.get(cache_key)
-            if index is None:
+            got = sigs.get(cache_key)
+            if got is None:
                 codes = tuple(_placement_code(key, p) for p in spec.placements)
                 ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
                 sig = Signature(_dtype_name(t.dtype), tuple(t.shape), codes, ranks,
                                 tuple(mesh.mesh.shape))
-                index = sigs[cache_key] = len(table)
+                expected = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[1]
+                got = sigs[cache_key] = (len(table), expected)
                 table.append(sig)
-                local = _local(t)
-                shape = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[1]
-                if shape is not None and tuple(local.shape) != shape:
-                    raise ValueError(f"state[{key!r}]: its local shard has shape "
-                                     f"{tuple(local.shape)}, but its placements say {shape}")
+            index, expected = got
+            local_shape = _local(t).shape
+            if expected is not None and local_shape != expected:
+                raise ValueError(f"state[{key!r}]: its local shard has shape "
+                                 f"{tuple(local_shape)}, but its placements say {expected}")
         else:
             if t.layout != torch.strided or t.is_meta:
                 raise TypeError(f"state[{key!r}] is a {t.layout} or meta tensor; export "
                                 "dense, materialized tensors")
             cache_key = (t.dtype, t.shape)
-            index = sigs.get(cache_key)
-            if index is None:
-                index = sigs[cache_key] = len(table)
+            got = sigs.get(cache_key)
+            if got is None:
+                got = sigs[cache_key] = (len(table), None)
                 table.append(Signature(_dtype_name(t.dtype), tuple(t.shape)))
+            index = got[0]
         ids.append(index)
-    return Described(list(state), ids.tobytes(), table, plan, args)
+    return Described(list(state), ids.tobytes(), table, plan)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -419,6 +419,12 @@ def _bad_entry(out, kind):
         state = {"w": torch.zeros(4 if r == 0 else 5)}
     elif kind == "dtype":
         state = {"w": torch.zeros(4, dtype=torch.complex128 if r == 1 else torch.float32)}
+    elif kind == "strided":  # FSDP over a TP-split dim: rows are not one range per rank
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        state = {"w": DTensor.from_local(torch.ones(4, 3), mesh, [_StridedShard(0, split_factor=2)],
+                                         run_check=False)}
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         state = {"w": DTensor.from_local(torch.ones(3), mesh, [Partial()])}
@@ -433,6 +439,7 @@ def _bad_entry(out, kind):
     ("shape", "ValueError", "state['w'] differs between ranks (rank 0: float32 (4,); rank 1: "),
     ("dtype", "TypeError", "complex128"),
     ("partial", "ValueError", "Partial placement"),
+    ("strided", "ValueError", "state['w'] is a DTensor with placement _StridedShard"),
 ])
 def test_bad_entries_raise_on_every_rank_before_any_byte_moves(kind, own, text, tmp_path):
     out = tmp_path / "bad"
