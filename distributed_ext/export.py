@@ -324,9 +324,6 @@ class Piece:
                 self._runs = _cached_runs(b, entry.shape, entry.dtype.itemsize)
         return self._runs
 
-    def nbytes(self, entry: Entry) -> int:
-        return self.block.numel * entry.dtype.itemsize
-
 
 @dataclass(slots=True)
 class Entry:
@@ -350,7 +347,6 @@ class Holding:
     key: str
     sig: Signature
     blocks: list[tuple[int, Block]]  # (group rank, block), in rank order
-    dtensor: bool
 
 
 def merge_holdings(described: list[Described], ranks: list[int], dst_rank: int,
@@ -364,7 +360,6 @@ def merge_holdings(described: list[Described], ranks: list[int], dst_rank: int,
             f"the model records {recorded} but the export's group has {world} rank(s): every "
             f"rank that holds a part of the model must take part (pass group=None, or a group "
             f"of the plan's {recorded.world_size} ranks)")
-    group_rank = {g: r for r, g in enumerate(ranks)}
     first = described[dst_rank]
     # The common case: every rank holds the same keys with the same signatures (an FSDP2
     # model, a replicated state): one comparison per rank instead of one per key and rank.
@@ -383,7 +378,7 @@ def merge_holdings(described: list[Described], ranks: list[int], dst_rank: int,
             if holding is None:
                 sig = table[i]
                 holding = shared[i] = _holding(key, [(r, sig) for r in range(world)], sig,
-                                               group_rank, ranks, world, recorded)
+                                               ranks, world, recorded)
             out[key] = holding
         return out
     for r in [dst_rank] + [r for r in range(world) if r != dst_rank]:
@@ -400,13 +395,12 @@ def merge_holdings(described: list[Described], ranks: list[int], dst_rank: int,
             listing = "; ".join(f"rank {ranks[r]}: {s.show()}" for r, s in held)
             raise ValueError(f"state[{key!r}] differs between ranks ({listing}); every rank "
                              "that holds a key must hold the same dtype, shape and placements")
-        out[key] = _holding(key, held, held[0][1], group_rank, ranks, world, recorded)
+        out[key] = _holding(key, held, held[0][1], ranks, world, recorded)
     return out
 
 
-def _holding(key: str, held: list[tuple[int, Signature]], sig: Signature,
-             group_rank: dict[int, int], ranks: list[int], world: int,
-             recorded: DistributionPlan | None) -> Holding:
+def _holding(key: str, held: list[tuple[int, Signature]], sig: Signature, ranks: list[int],
+             world: int, recorded: DistributionPlan | None) -> Holding:
     if sig.placements is None:
         if recorded is not None:
             allowed = sorted({world, recorded.edp})
@@ -418,14 +412,14 @@ def _holding(key: str, held: list[tuple[int, Signature]], sig: Signature,
                     "(every rank, or an expert shard's edp replicas); record the plan the "
                     "model was distributed with")
         whole = Block((0,) * len(sig.shape), sig.shape)
-        return Holding(key, sig, [(r, whole) for r, _s in held], False)
+        return Holding(key, sig, [(r, whole) for r, _s in held])
     blocks = _dtensor_blocks(sig)
     if len(held) != len(blocks) or any(ranks[r] not in blocks for r, _s in held):
         raise ValueError(
             f"state[{key!r}] is a DTensor on a mesh of global ranks {sorted(blocks)}, but "
             f"ranks {[ranks[r] for r, _s in held]} of the export's group (global ranks "
             f"{ranks}) hold it; export over the group its mesh spans")
-    return Holding(key, sig, _group_blocks(sig, tuple(ranks)), True)
+    return Holding(key, sig, _group_blocks(sig, tuple(ranks)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -475,17 +469,17 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
             if _is_whole(part, holding.sig.shape):
                 covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load)
                 continue
-            blocks: dict[Block, list[tuple[int, Block]]] = {}
+            blocks: dict[Block, list[tuple[int, Block, list[int], list[int]]]] = {}
             for r, held in holding.blocks:
-                wb = _intersect(part, held)
-                if wb is not None:
-                    blocks.setdefault(wb, []).append((r, held))
+                meet = _overlap(part, held)
+                if meet is not None:
+                    blocks.setdefault(_intersect(part, *meet), []).append((r, held, *meet))
             for wb, owners in blocks.items():
-                sender = _choose_sender([r for r, _h in owners], dst_rank, load)
-                held = next(h for r, h in owners if r == sender)
+                sender = _choose_sender([o[0] for o in owners], dst_rank, load)
+                _r, held, lo, hi = next(o for o in owners if o[0] == sender)
                 if sender != dst_rank:
                     load[sender] += wb.numel * itemsize
-                local, perm = _local_view(part, held)
+                local, perm = _local_view(part, held, lo, hi)
                 entry.pieces.append(Piece(w.key, sender, wb, part.source, local, perm))
                 covered += wb.numel
         _check_covered(entry, covered)
@@ -540,9 +534,9 @@ def _is_whole(part: _keys.Part, src_shape: tuple[int, ...]) -> bool:
             and not any(part.at) and not any(part.src_start))
 
 
-def _intersect(part: _keys.Part, held: Block) -> Block | None:
-    """The block of the written tensor that ``held`` (a block of the part's in-memory
-    tensor) supplies to ``part``, or None."""
+def _overlap(part: _keys.Part, held: Block) -> tuple[list[int], list[int]] | None:
+    """Where a part's box and a holder's block of its in-memory tensor meet: the first and
+    one-past-last index per in-memory dim, or None if they do not."""
     lo, hi = [], []
     for d in range(len(held.shape)):
         a = max(part.src_start[d], held.offset[d])
@@ -551,6 +545,11 @@ def _intersect(part: _keys.Part, held: Block) -> Block | None:
             return None
         lo.append(a)
         hi.append(b)
+    return lo, hi
+
+
+def _intersect(part: _keys.Part, lo: list[int], hi: list[int]) -> Block:
+    """The block of the written tensor that an overlap (:func:`_overlap`) supplies."""
     offset, shape = [], []
     for j, d in enumerate(part.src_dims):
         if d < 0:
@@ -562,16 +561,14 @@ def _intersect(part: _keys.Part, held: Block) -> Block | None:
     return Block(tuple(offset), tuple(shape))
 
 
-def _local_view(part: _keys.Part, held: Block) -> tuple[tuple[slice, ...], tuple[int, ...]]:
-    """Slices of the holder's local block and the dim order that give a piece's bytes."""
-    local = []
-    for d in range(len(held.shape)):
-        a = max(part.src_start[d], held.offset[d])
-        b = min(part.src_stop(d), held.offset[d] + held.shape[d])
-        local.append(slice(a - held.offset[d], b - held.offset[d]))
+def _local_view(part: _keys.Part, held: Block, lo: list[int], hi: list[int]
+                ) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """Slices of the holder's local block (an overlap in its coordinates) and the dim order
+    that give a piece's bytes."""
+    local = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, held.offset))
     order = [d for d in part.src_dims if d >= 0]
     perm = order + [d for d in range(len(held.shape)) if d not in order]
-    return tuple(local), tuple(perm)
+    return local, tuple(perm)
 
 
 def agree_plan(plans: list[tuple | None], ranks: list[int]) -> DistributionPlan | None:
@@ -712,28 +709,6 @@ class FileSink:
         for file, segments in small.items():
             file.write_segments(segments)  # data is held by the caller meanwhile
 
-    def write_message(self, data: torch.Tensor, message: list[Segment]) -> None:
-        """Writes a message's bytes (:func:`plan_messages`) to their places: one pass over its
-        segments, the runs under ``SMALL_RUN`` bytes gathered per file into one native call
-        (a message of 100k small pieces costs no Python call per piece beyond this loop)."""
-        small: dict[_direct_io.DirectFile, list[tuple[int, int, int]]] = {}
-        rows: list[tuple[str, int, int, int]] = []  # pieces of several runs, and large runs
-        ptr = data.data_ptr()
-        where = self.where
-        at = 0
-        for e, p, start, n in message:
-            runs = p.runs(e)
-            if len(runs) == 1 and n < SMALL_RUN:
-                file, base = where[e.key]
-                small.setdefault(file, []).append((ptr + at, base + runs[0][0] + start, n))
-            else:
-                rows.extend(_rows([(e, p, start, n)], at))
-            at += n
-        for file, segments in small.items():
-            file.write_segments(segments)  # data is held by the caller meanwhile
-        if rows:
-            self.write_batch(data, rows)
-
     def address_shift(self, key: str, offset: int) -> int:
         """Where a receive buffer for bytes at ``offset`` of ``key`` should start (mod
         ``ALIGN``) for its bytes to be written direct without a copy."""
@@ -804,10 +779,6 @@ class MemorySink:
         self.tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
         self.flat = {k: t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
                      for k, t in self.tensors.items()}
-
-    def write_message(self, data: torch.Tensor, message: list[Segment]) -> None:
-        """Copies a message's bytes (:func:`plan_messages`) into the tensors."""
-        self.write_batch(data, _rows(message))
 
     def write_batch(self, data: torch.Tensor, rows: list[tuple[str, int, int, int]]) -> None:
         """Copies ``data[at : at + n]`` to ``offset`` of each row's ``(key, offset, at, n)``
@@ -1027,17 +998,12 @@ class _Stager:
             data = _flat_bytes(sources[0])
             return data[s : s + n], data  # from where it lives
         out = self._slot(slot, n, shift)
-        rows: list[tuple[int, int, int]] | None = [] if self.link.type == "cpu" else None
-        if rows is not None:
-            at = 0
+        if self.link.type == "cpu" and not any(d.is_cuda for d in sources):
+            # Many small host pieces: one native pass, no Python per byte.
+            rows, at = [], 0
             for (_e, _p, s, m), d in zip(message, sources):
-                if d.is_cuda:
-                    rows = None
-                    break
                 rows.append((d.data_ptr() + s, at, m))
                 at += m
-        if rows is not None:
-            # Many small host pieces: one native pass, no Python per byte.
             _native.pack_segments(out, rows)  # the sources are alive: held here
         else:
             # Device copies are stream-ordered after the send that last read this slot (its
@@ -1064,7 +1030,7 @@ def _write_own(state: dict[str, torch.Tensor], sink: Any, items: list[tuple[Entr
         data, _keep = stager.stage(message, 0, _placement(sink, message))
         if stager.failure is not None:
             raise stager.failure
-        sink.write_message(data, message)
+        sink.write_batch(data, _rows(message))
 
 
 # Buffers of transfers that were posted when a peer failed: the transport may still read or
@@ -1146,7 +1112,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             if failures:
                 return
             try:
-                sink.write_message(data, message)
+                sink.write_batch(data, _rows(message))
             except BaseException as exc:  # noqa: BLE001
                 failures.append(exc)
 

@@ -673,15 +673,15 @@ def _export_killed_mid_transfer(out, victim, death_file):
     if r == victim:
         calls = []
         if victim == 0:  # dst: while writing what arrives
-            real_write = E.FileSink.write_message
+            real_write = E.FileSink.write_batch
 
-            def write(self, data, message):
+            def write(self, data, rows):
                 calls.append(1)
                 if len(calls) == 20:
                     die()
-                real_write(self, data, message)
+                real_write(self, data, rows)
 
-            E.FileSink.write_message = write
+            E.FileSink.write_batch = write
         else:  # a sender: on its third shard
             real_local = E._piece_tensor
 
