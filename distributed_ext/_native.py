@@ -11,7 +11,9 @@ fails with what the module was built for next to what is installed.
 
 from __future__ import annotations
 
+import array
 import importlib.machinery
+import itertools
 import os
 import re
 import sys
@@ -90,7 +92,14 @@ def built_with_cuda() -> bool:
 def _table(rows: Sequence[tuple[int, int, int]]) -> torch.Tensor:
     if len(rows) == 0:
         return torch.empty((0, 3), dtype=torch.int64)
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+    # Through an int64 array: half the cost of torch.tensor(rows) on a list of tuples (the
+    # exporter builds one table per message of up to ~1000 small pieces). The tensor keeps
+    # the array alive.
+    flat = array.array("q", itertools.chain.from_iterable(rows))
+    if len(flat) != 3 * len(rows):
+        raise ValueError(f"segment rows must be (pointer, offset, nbytes) triples, got "
+                         f"{len(flat)} values for {len(rows)} rows")
+    return torch.frombuffer(flat, dtype=torch.int64).reshape(-1, 3)
 
 
 def pack_segments(dst: torch.Tensor, segments: Sequence[tuple[int, int, int]]) -> None:

@@ -315,14 +315,17 @@ class Piece:
     def runs(self, entry: Entry) -> list[tuple[int, int]]:
         """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once."""
         if self._runs is None:
-            b = self.block
-            if b.shape[1:] == entry.shape[1:] and b.shape:
-                # Whole rows (a Shard(0) block, a whole tensor): one run, nothing to search.
-                row = b.numel // b.shape[0] * entry.dtype.itemsize if b.shape[0] else 0
-                self._runs = [(b.offset[0] * row, b.numel * entry.dtype.itemsize)]
-            else:  # shared between the pieces of one block, shape and dtype size: read-only
-                self._runs = _cached_runs(b, entry.shape, entry.dtype.itemsize)
+            self._runs = _piece_runs(self.block, entry.shape, entry.dtype.itemsize)
         return self._runs
+
+
+def _piece_runs(b: Block, shape: tuple[int, ...], itemsize: int) -> list[tuple[int, int]]:
+    """A block's runs in a tensor of ``shape`` (read-only: shared between pieces)."""
+    if b.shape[1:] == shape[1:] and b.shape:
+        # Whole rows (a Shard(0) block, a whole tensor): one run, nothing to search.
+        row = b.numel // b.shape[0] * itemsize if b.shape[0] else 0
+        return [(b.offset[0] * row, b.numel * itemsize)]
+    return _cached_runs(b, shape, itemsize)
 
 
 @dataclass(slots=True)
@@ -432,8 +435,7 @@ def _group_blocks(sig: Signature, ranks: tuple[int, ...]) -> list[tuple[int, Blo
 
 
 def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | None,
-                 dst_rank: int,
-                 ranks: list[int]) -> list[Entry]:
+                 dst_rank: int, ranks: list[int], keep: int | None = None) -> list[Entry]:
     """The export plan (the same on every rank): for each written tensor, which rank sends
     which block of it and from where; ValueError if a written tensor cannot be streamed or
     its blocks do not cover it. ``written`` None: every in-memory tensor as it is.
@@ -442,16 +444,19 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
     never crosses the link, else by the holder that has the fewest bytes to send so far, so
     that replicas (an expert shard's ``edp`` copies, HSDP's replicated shards) spread the
     sending over their holders.
+
+    ``keep``: make only this group rank's pieces (a sender needs no other's); every check
+    and every choice is still made for all of them, so the kept pieces are the same.
     """
     load = [0] * len(ranks)  # bytes each rank sends so far
     entries = []
     # A whole in-memory tensor's distinct blocks and their owners: computed once per list of
     # blocks, which every key of one DTensor signature shares.
-    distinct: dict[int, tuple[list[tuple[Block, list[int]]], Any]] = {}
+    distinct: dict[int, list] = {}
     if written is None:  # a state dict: every tensor written whole, under its own key
         for key, holding in holdings.items():
             entry = Entry(key, _DTYPE_BY_NAME[holding.sig.dtype], holding.sig.shape)
-            covered = _add_whole(entry, key, holding, distinct, dst_rank, load)
+            covered = _add_whole(entry, key, holding, distinct, dst_rank, load, keep)
             _check_covered(entry, covered)
             entries.append(entry)
         return entries
@@ -467,7 +472,8 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
         for part in w.parts:
             holding = holdings[part.source]
             if _is_whole(part, holding.sig.shape):
-                covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load)
+                covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load,
+                                      keep)
                 continue
             blocks: dict[Block, list[tuple[int, Block, list[int], list[int]]]] = {}
             for r, held in holding.blocks:
@@ -479,35 +485,56 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
                 _r, held, lo, hi = next(o for o in owners if o[0] == sender)
                 if sender != dst_rank:
                     load[sender] += wb.numel * itemsize
-                local, perm = _local_view(part, held, lo, hi)
-                entry.pieces.append(Piece(w.key, sender, wb, part.source, local, perm))
                 covered += wb.numel
+                if keep is None or sender == keep:
+                    local, perm = _local_view(part, held, lo, hi)
+                    entry.pieces.append(Piece(w.key, sender, wb, part.source, local, perm))
         _check_covered(entry, covered)
         entries.append(entry)
     return entries
 
 
 def _add_whole(entry: Entry, source: str, holding: Holding,
-               distinct: dict[int, tuple[list[tuple[Block, list[int]]], Any]], dst_rank: int,
-               load: list[int]) -> int:
+               distinct: dict[int, list], dst_rank: int, load: list[int],
+               keep: int | None = None) -> int:
     """Adds the pieces of a written tensor that is in-memory tensor ``source`` as it is (one
-    per distinct block); returns the elements they cover."""
+    per distinct block; ``keep``: only that rank's); returns the elements they cover."""
     got = distinct.get(id(holding.blocks))
     if got is None:
         groups: dict[Block, list[int]] = {}
         for r, held in holding.blocks:
             if held.numel:
                 groups.setdefault(held, []).append(r)
-        # (the list is kept with its id, so that the id is not reused)
-        got = distinct[id(holding.blocks)] = (list(groups.items()), holding.blocks)
+        # No replica among the blocks (FSDP2): each block's sender is its one owner, fixed
+        # for every key of the signature, and what each rank sends is a constant per key.
+        fixed = None
+        if all(len(owners) == 1 for owners in groups.values()):
+            fixed = [(owners[0], wb) for wb, owners in groups.items()]
+        covered = sum(wb.numel for wb in groups)
+        # [blocks and owners, fixed senders, elements covered, runs of the fixed blocks
+        # (computed at the first key), the list itself (kept with its id, so that the id
+        # is not reused)]
+        got = distinct[id(holding.blocks)] = [list(groups.items()), fixed, covered, None,
+                                              holding.blocks]
+    groups_list, fixed, covered, runs, _blocks = got
     itemsize = entry.dtype.itemsize
-    covered = 0
-    for wb, owners in got[0]:
-        sender = owners[0] if len(owners) == 1 else _choose_sender(owners, dst_rank, load)
+    key = entry.key
+    if fixed is not None:
+        # Every key of a signature has its shape and dtype: the runs are computed once.
+        if runs is None:
+            runs = got[3] = [_piece_runs(wb, entry.shape, itemsize) for _s, wb in fixed]
+        for (sender, wb), wb_runs in zip(fixed, runs):
+            if sender != dst_rank:
+                load[sender] += wb.numel * itemsize
+            if keep is None or sender == keep:
+                entry.pieces.append(Piece(key, sender, wb, source, _runs=wb_runs))
+        return covered
+    for wb, owners in groups_list:
+        sender = _choose_sender(owners, dst_rank, load)
         if sender != dst_rank:
             load[sender] += wb.numel * itemsize
-        entry.pieces.append(Piece(entry.key, sender, wb, source))
-        covered += wb.numel
+        if keep is None or sender == keep:
+            entry.pieces.append(Piece(key, sender, wb, source))
     return covered
 
 
@@ -889,6 +916,8 @@ def _placement(sink: Any, message: list[Segment]) -> int:
 def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]) -> bool:
     """Whether any of these pieces' bytes live on a GPU (only then is pinned memory taken).
     (A DTensor is on its local shard's device.)"""
+    if not torch.cuda.is_initialized():  # no tensor can be on a GPU: skip the walk
+        return False
     return any(state[p.source].is_cuda for _e, p in pieces)
 
 
@@ -1202,14 +1231,15 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     recorded = recorded_plan(model) if model is not None else None
     plan_tuple = None if recorded is None else astuple(recorded)
 
-    def plan(described: list[Described], dst_rank: int, ranks: list[int]) -> list[Entry]:
+    def plan(described: list[Described], dst_rank: int, ranks: list[int],
+             keep: int | None = None) -> list[Entry]:
         holdings = merge_holdings(described, ranks, dst_rank,
                                   agree_plan([d.plan for d in described], ranks))
         written = None
         if hub_keys and model is not None:
             written = _keys.resolve_written(model, {
                 k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()})
-        return plan_entries(holdings, written, dst_rank, ranks)
+        return plan_entries(holdings, written, dst_rank, ranks, keep)
 
     if not runtime.is_initialized():
         entries = plan([describe_state(state, plan_tuple)], 0, [0])
@@ -1236,7 +1266,9 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                                lambda: describe_state(state, plan_tuple), list, group)
         # From here on every rank computes the same from the same metadata: an error below is
         # raised by every rank alike.
-        entries = plan(described, dst_rank, ctx.ranks)
+        # A sender makes only its own pieces; dst all of them (it lays out the files).
+        entries = plan(described, dst_rank, ctx.ranks,
+                       None if ctx.rank == dst_rank else ctx.rank)
         sink = None
         try:
             interrupted = deferred.take()  # one that landed in the metadata round fails here
