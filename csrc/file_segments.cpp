@@ -8,7 +8,11 @@
 #include <torch/extension.h>
 
 #include <cerrno>
+#include <fcntl.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#endif
 
 namespace distributed_ext {
 
@@ -45,6 +49,20 @@ int64_t pwrite_segments(int64_t fd, const at::Tensor& table) {
     }
   }
   return 0;
+}
+
+int64_t exchange_paths(const std::string& a, const std::string& b) {
+#if defined(__linux__) && defined(SYS_renameat2)
+  constexpr unsigned int kRenameExchange = 1u << 1;  // RENAME_EXCHANGE (linux/fs.h)
+  pybind11::gil_scoped_release no_gil;
+  const long rc = ::syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(),
+                            kRenameExchange);
+  return rc == 0 ? 0 : errno;
+#else
+  (void)a;
+  (void)b;
+  return ENOSYS;
+#endif
 }
 
 }  // namespace distributed_ext

@@ -1,6 +1,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace distributed_ext {
 
 // Writes each row (src_ptr, file_offset, nbytes) of `table` ([n, 3] int64) to the file
@@ -10,5 +12,11 @@ namespace distributed_ext {
 // Lifetime rule: the source pointers are borrowed; the caller keeps their owners alive and
 // unmodified, and `fd` open, until the call returns (it is synchronous).
 int64_t pwrite_segments(int64_t fd, const at::Tensor& table);
+
+// Swaps two paths atomically (Linux renameat2 with RENAME_EXCHANGE): each then names what
+// the other named, and no instant sees either missing. Returns 0, or the errno: ENOSYS or
+// EINVAL where the kernel or the filesystem cannot (the caller falls back), another errno
+// for a real failure. Both paths must exist on the same filesystem.
+int64_t exchange_paths(const std::string& a, const std::string& b);
 
 }  // namespace distributed_ext

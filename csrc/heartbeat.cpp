@@ -10,9 +10,13 @@
 namespace distributed_ext {
 namespace {
 
+constexpr int kMaxFailures = 3;
+
 struct Beat {
-  explicit Beat(const c10::intrusive_ptr<c10d::Store>& strong) : store(strong) {}
-  c10::weak_intrusive_ptr<c10d::Store> store;
+  Beat(const c10::intrusive_ptr<c10d::Store>& strong, c10::intrusive_ptr<c10d::Store> own)
+      : store(strong), client(std::move(own)) {}
+  c10::weak_intrusive_ptr<c10d::Store> store;  // the group's: is it still there?
+  c10::intrusive_ptr<c10d::Store> client;      // ours: the beats go through it
   c10d::Store* target = nullptr;  // identity only, never dereferenced
   std::string key;
   std::chrono::milliseconds interval{1000};
@@ -21,6 +25,7 @@ struct Beat {
   bool stop = false;
   bool done = false;  // set by the thread as it leaves
   std::atomic<int64_t> beats{0};
+  std::atomic<bool> failed{false};
   std::thread thread;
 };
 
@@ -31,26 +36,40 @@ Beat* g_beat = nullptr;
 
 void run(Beat* beat) {
   std::unique_lock<std::mutex> lock(beat->mutex);
+  int failures = 0;
   while (!beat->stop) {
     lock.unlock();
-    auto store = beat->store.lock();
-    if (!store) {  // the process group that owned the store is gone: so is our reason to beat
-      lock.lock();
+    if (!beat->store.lock()) {  // the process group that owned the store is gone: so is our
+      lock.lock();              // reason to beat
       break;
     }
     try {
-      store->add(beat->key, 1);
+      beat->client->add(beat->key, 1);
       beat->beats.fetch_add(1);
+      failures = 0;
     } catch (...) {
       // A store that cannot be reached now (its host is gone, or shutting down): a peer
       // reading our counter will see it stall, which is the truth as far as it can tell.
+      // Repeated failures: the host is gone for good; stop, rather than log one warning
+      // per beat until the process exits.
+      if (++failures >= kMaxFailures) {
+        beat->failed.store(true);
+        lock.lock();
+        break;
+      }
     }
-    store.reset();
     lock.lock();
     beat->wake.wait_for(lock, beat->interval, [beat] { return beat->stop; });
   }
   beat->done = true;
   beat->wake.notify_all();
+}
+
+bool running_locked(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
+  if (!g_beat || g_beat->target != store.get() || g_beat->key != key) return false;
+  std::lock_guard<std::mutex> lock(g_beat->mutex);
+  // Beating into this store (or given up on it after repeated failures: its host is gone).
+  return !g_beat->stop && static_cast<bool>(g_beat->store.lock());
 }
 
 void stop_locked() {
@@ -75,23 +94,27 @@ void stop_locked() {
 
 }  // namespace
 
-void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
+void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& store,
+                     const c10::intrusive_ptr<c10d::Store>& client, const std::string& key,
                      int64_t interval_ms) {
   TORCH_CHECK_VALUE(store, "start_heartbeat: store is null");
+  TORCH_CHECK_VALUE(client, "start_heartbeat: client is null");
   TORCH_CHECK_VALUE(interval_ms > 0, "start_heartbeat: interval_ms must be positive, got ",
                     interval_ms);
   std::lock_guard<std::mutex> guard(g_mutex);
-  if (g_beat && g_beat->target == store.get() && g_beat->key == key) {
-    std::lock_guard<std::mutex> lock(g_beat->mutex);
-    if (!g_beat->stop && g_beat->store.lock()) return;  // already beating into this store
-  }
+  if (running_locked(store, key)) return;
   stop_locked();
-  auto* beat = new Beat(store);
+  auto* beat = new Beat(store, client);
   beat->target = store.get();
   beat->key = key;
   beat->interval = std::chrono::milliseconds(interval_ms);
   beat->thread = std::thread(run, beat);
   g_beat = beat;
+}
+
+bool heartbeat_running(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
+  std::lock_guard<std::mutex> guard(g_mutex);
+  return running_locked(store, key);
 }
 
 void stop_heartbeat() {
@@ -102,6 +125,11 @@ void stop_heartbeat() {
 int64_t heartbeat_count() {
   std::lock_guard<std::mutex> guard(g_mutex);
   return g_beat ? g_beat->beats.load() : 0;
+}
+
+bool heartbeat_failed() {
+  std::lock_guard<std::mutex> guard(g_mutex);
+  return g_beat ? g_beat->failed.load() : false;
 }
 
 }  // namespace distributed_ext

@@ -112,6 +112,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_segments", &distributed_ext::unpack_segments, pybind11::arg("src"),
         pybind11::arg("table"),
         "Copy rows (dst_ptr, src_offset, nbytes) out of src; GIL released.");
+  m.def("exchange_paths", &distributed_ext::exchange_paths, pybind11::arg("a"),
+        pybind11::arg("b"), "Swap two paths atomically (renameat2 RENAME_EXCHANGE); errno or 0.");
   m.def("pwrite_segments", &distributed_ext::pwrite_segments, pybind11::arg("fd"),
         pybind11::arg("table"),
         "pwrite rows (src_ptr, file_offset, nbytes) to fd; GIL released; 0 or an errno.");
@@ -122,12 +124,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("prefault") = false,
         "A bytearray of nbytes, contents uninitialized (the caller fills every byte).");
   m.def("start_heartbeat", &distributed_ext::start_heartbeat, pybind11::arg("store"),
-        pybind11::arg("key"), pybind11::arg("interval_ms"),
+        pybind11::arg("client"), pybind11::arg("key"), pybind11::arg("interval_ms"),
         pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "Beat (store.add(key, 1)) every interval_ms from a native thread; weak store ref.");
+        "Beat (client.add(key, 1)) every interval_ms from a native thread while store lives.");
+  m.def("heartbeat_running", &distributed_ext::heartbeat_running, pybind11::arg("store"),
+        pybind11::arg("key"), pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "Whether the heartbeat already runs for this store and key.");
   m.def("stop_heartbeat", &distributed_ext::stop_heartbeat,
         pybind11::call_guard<pybind11::gil_scoped_release>(), "Stop the heartbeat thread.");
   m.def("heartbeat_count", &distributed_ext::heartbeat_count, "Beats sent so far.");
+  m.def("heartbeat_failed", &distributed_ext::heartbeat_failed,
+        "Whether the heartbeat gave up after repeated failed beats.");
   m.def("built_with_cuda", &distributed_ext::built_with_cuda);
   m.def("copy_async", &distributed_ext::copy_async, pybind11::arg("dst_ptr"),
         pybind11::arg("src_ptr"), pybind11::arg("nbytes"), pybind11::arg("stream"),

@@ -12,6 +12,7 @@ fails with what the module was built for next to what is installed.
 from __future__ import annotations
 
 import array
+import errno
 import importlib.machinery
 import itertools
 import os
@@ -132,6 +133,20 @@ def pwrite_segments(fd: int, segments: Sequence[tuple[int, int, int]]) -> None:
         raise OSError(err, os.strerror(err))
 
 
+def exchange_paths(a: str, b: str) -> bool:
+    """Swaps two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``), GIL released.
+
+    Returns True once swapped; False where the kernel or the filesystem cannot swap (ENOSYS,
+    EINVAL, ENOTSUP: the caller falls back). Raises OSError for any other failure.
+    """
+    err = int(_C.exchange_paths(os.fsdecode(a), os.fsdecode(b)))
+    if err == 0:
+        return True
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
 def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
     """Copies ``nbytes`` between two non-overlapping host buffers, GIL released, threads used."""
     _C.copy_bytes(dst_ptr, src_ptr, nbytes)
@@ -174,14 +189,23 @@ def device_pack_pieces(table: torch.Tensor, stream: int) -> None:
     _C.device_pack_pieces(table.data_ptr(), table.size(0), stream)
 
 
-def start_heartbeat(store: Any, key: str, interval_ms: int) -> None:
-    """Beats ``store.add(key, 1)`` every ``interval_ms`` from a native thread (no GIL).
+def start_heartbeat(store: Any, client: Any, key: str, interval_ms: int) -> None:
+    """Beats ``client.add(key, 1)`` every ``interval_ms`` from a native thread (no GIL).
 
-    ``store`` is a ``torch.distributed.Store``. Lifetime: the thread holds a weak reference
-    only, and ends by itself once the store is destroyed (its process group destroyed). The
-    same store and key again is a no-op; another store replaces the running beat.
+    ``store`` is the process group's ``torch.distributed.Store``; ``client`` a clone of it
+    (``store.clone()``: its own connection, which no other thread's blocking call can hold
+    up). Lifetime: the thread holds a weak reference to ``store`` and owns ``client``; it
+    ends by itself once ``store`` is destroyed (its process group destroyed), and stops
+    beating after three failed beats in a row (the store's host is gone). The same store and
+    key again is a no-op; another store replaces the running beat.
     """
-    _C.start_heartbeat(store, key, interval_ms)
+    _C.start_heartbeat(store, client, key, interval_ms)
+
+
+def heartbeat_running(store: Any, key: str) -> bool:
+    """Whether the heartbeat already runs for ``store`` and ``key`` (then starting it again
+    is a no-op, and no client need be made for it)."""
+    return bool(_C.heartbeat_running(store, key))
 
 
 def stop_heartbeat() -> None:
@@ -192,3 +216,8 @@ def stop_heartbeat() -> None:
 def heartbeat_count() -> int:
     """Beats the current heartbeat has sent (0 when none runs)."""
     return int(_C.heartbeat_count())
+
+
+def heartbeat_failed() -> bool:
+    """Whether the current heartbeat stopped after repeated failed beats."""
+    return bool(_C.heartbeat_failed())

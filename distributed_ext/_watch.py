@@ -6,12 +6,31 @@ timeout (30 min by default) on gloo whenever the transport does not notice the d
 the calling thread watches:
 
 - **Liveness.** Every rank that uses a collective of this package beats a counter in the
-  process group's own store from a native thread (``csrc/heartbeat.cpp``: no GIL, so a busy
-  rank still beats). A wait that lasts longer than ``GRACE_S`` reads its peers' counters every
-  ``CHECK_EVERY_S``; a peer whose counter has not moved for ``DEAD_AFTER_S`` is dead, and the
-  waiting rank raises a RuntimeError naming it, well before any process-group timeout. A peer
-  that has never beaten (it has not reached its first collective yet) is never called dead.
-  Cost: nothing for a wait shorter than the grace; then one store read per peer per check.
+  process group's store from a native thread (``csrc/heartbeat.cpp``: no GIL, so a busy rank
+  still beats), through its own clone of the store (``Store.clone()``: a connection of its
+  own, so a thread of the rank blocked in a store call -- ``new_group`` waiting for a late
+  peer -- cannot hold the beat up). Every rank also listens on a liveness endpoint, a TCP
+  port that only the kernel answers (no data ever crosses it), published in the store. A
+  wait that lasts longer than ``GRACE_S`` reads its peers' counters every ``CHECK_EVERY_S``,
+  through a clone of its own. The rule:
+
+  * a peer whose counter has not moved for ``GONE_AFTER_S`` (1.5 s) and whose endpoint is
+    closed or refuses a connection is **gone** (its process exited: a crash, SIGKILL, an
+    OOM kill -- the kernel closes a dead process's sockets), and is named at once: within
+    about 3 s of its death;
+  * a peer whose counter has not moved but whose endpoint is still there (a process that is
+    stopped, frozen, starved or swapping: the kernel answers for it), or whose endpoint
+    cannot be reached at all (its host vanished, or a firewall), is **silent**; it is named
+    dead only after ``SILENT_AFTER_S`` (90 s by default; the environment variable
+    ``DISTRIBUTED_EXT_SILENT_AFTER_S`` sets it, checked at import, read at each wait). So a rank paused for up to
+    60 s by a debugger or a cgroup freeze is waited for, and a host that vanishes is named
+    after the limit.
+
+  A peer that has never beaten (it has not reached its first collective yet) is never
+  called dead. Limits: a dead process's port taken by another process within seconds makes
+  it look silent (named after the limit); an endpoint behind a firewall likewise. Cost:
+  nothing for a wait shorter than the grace; then one store read per peer per check, and
+  one connection per stalled peer (kept for later checks).
 - **Interrupts.** A Ctrl-C during a collective is deferred wherever it lands (the main
   thread's SIGINT handler records it; a KeyboardInterrupt, or any exception a signal handler
   raises, that arrives while the calling thread waits is caught there): the posted work is
@@ -27,8 +46,13 @@ so the memory it reads or writes is never freed under it; the group is unusable 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ipaddress
+import os
 import queue
+import selectors
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,8 +67,9 @@ from distributed_ext import _native
 
 __all__ = [
     "CHECK_EVERY_S",
-    "DEAD_AFTER_S",
+    "GONE_AFTER_S",
     "GRACE_S",
+    "SILENT_AFTER_S",
     "DeferredInterrupts",
     "PeerFailure",
     "ensure_heartbeat",
@@ -57,8 +82,33 @@ __all__ = [
 HEARTBEAT_INTERVAL_S = 0.5
 GRACE_S = 1.0
 CHECK_EVERY_S = 0.5
-DEAD_AFTER_S = 4.0
+GONE_AFTER_S = 1.5
+
+
+def _silent_after_s(strict: bool = True) -> float:
+    """``DISTRIBUTED_EXT_SILENT_AFTER_S`` (default 90): checked at import (a ValueError
+    then, before any collective); read again by each watched wait, so that a launcher or a
+    test may set it after import (a bad value there falls back to 90 with a warning: a
+    watch must not raise on one rank mid-collective)."""
+    raw = os.environ.get("DISTRIBUTED_EXT_SILENT_AFTER_S", "90")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > GONE_AFTER_S:
+        message = (f"DISTRIBUTED_EXT_SILENT_AFTER_S={raw!r}: expected a number of seconds "
+                   f"above {GONE_AFTER_S} (how long a silent peer is waited for before it is "
+                   "named dead); unset it for the default 90")
+        if strict:
+            raise ValueError(message)
+        sys.stderr.write(f"distributed_ext: {message}; using 90\n")
+        return 90.0
+    return value
+
+
+SILENT_AFTER_S = _silent_after_s()
 _KEY = "distributed_ext/alive/"
+_WHERE_KEY = "distributed_ext/where/"
 _FAILED_KEY = "distributed_ext/failed"
 
 _atexit_registered = False
@@ -71,19 +121,149 @@ def _default_store() -> Any:
         return None
 
 
+def _clone(store: Any) -> Any:
+    """A clone of ``store`` with its own connection (the store itself where it cannot)."""
+    try:
+        return store.clone()
+    except Exception:  # noqa: BLE001 - a store type without clone: shared, as before
+        return store
+
+
 def ensure_heartbeat() -> None:
-    """Starts this process's heartbeat into the default group's store (idempotent, cheap)."""
+    """Starts this process's heartbeat into the default group's store and its liveness
+    endpoint (idempotent, cheap)."""
     global _atexit_registered
     if not (dist.is_available() and dist.is_initialized()):
         return
     store = _default_store()
     if store is None:
         return
-    _native.start_heartbeat(store, _KEY + str(dist.get_rank()), int(HEARTBEAT_INTERVAL_S * 1000))
+    key = _KEY + str(dist.get_rank())
+    if _native.heartbeat_running(store, key):
+        return
+    client = _clone(store)
+    _Endpoint.publish(client, dist.get_rank(), store)
+    _native.start_heartbeat(store, client, key, int(HEARTBEAT_INTERVAL_S * 1000))
     if not _atexit_registered:
         # Stop the native thread before the interpreter (and torch's statics) go away.
         atexit.register(_native.stop_heartbeat)
         _atexit_registered = True
+
+
+class _Endpoint:
+    """This process's liveness endpoint: a listening TCP socket whose only message is that
+    it exists. Peers connect to it when a rank's heartbeat stalls; the kernel accepts for a
+    stopped process and closes or refuses for a dead one. Accepted connections are held
+    (never read or written) until the peer closes them."""
+
+    _lock = threading.Lock()
+    _port: int | None = None
+
+    @classmethod
+    def _start(cls) -> int:
+        with cls._lock:
+            if cls._port is None:
+                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listener.bind(("0.0.0.0", 0))
+                listener.listen(128)
+                listener.setblocking(False)
+                cls._port = listener.getsockname()[1]
+                threading.Thread(target=cls._serve, args=(listener,), daemon=True,
+                                 name="distributed_ext liveness endpoint").start()
+            return cls._port
+
+    @staticmethod
+    def _serve(listener: socket.socket) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(listener, selectors.EVENT_READ)
+        while True:
+            for key, _mask in selector.select():
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    if sock is listener:
+                        conn, _addr = listener.accept()
+                        conn.setblocking(False)
+                        selector.register(conn, selectors.EVENT_READ)
+                    elif not sock.recv(256):  # the peer closed it
+                        selector.unregister(sock)
+                        sock.close()
+                except OSError:
+                    if sock is not listener:
+                        with contextlib.suppress(Exception):
+                            selector.unregister(sock)
+                        sock.close()
+
+    @classmethod
+    def publish(cls, client: Any, rank: int, store: Any) -> None:
+        """Starts the endpoint (once per process) and publishes where it listens."""
+        try:
+            port = cls._start()
+            value = f"{_advertised_address(store)} {port} {socket.gethostname()} {os.getpid()}"
+            client.set(_WHERE_KEY + str(rank), value)
+        except Exception:  # noqa: BLE001 - without it, a stalled peer is only ever silent
+            pass
+
+
+def _advertised_address(store: Any) -> str:
+    """The address peers reach this host at: the one it reaches the store's host from (a
+    TCPStore's, else ``MASTER_ADDR``'s), else loopback (peers on other hosts then find the
+    endpoint unreachable, and fall back to the silence limit)."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    host = getattr(inner, "host", None) or os.environ.get("MASTER_ADDR")
+    if host:
+        with contextlib.suppress(OSError), \
+                socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(getattr(inner, "port", 0) or 9)))  # sends nothing
+            return probe.getsockname()[0]
+    return "127.0.0.1"
+
+
+# Connections to peers' endpoints, kept between checks: (rank, published value) -> socket.
+_links: dict[tuple[int, str], socket.socket] = {}
+_unreachable: dict[tuple[int, str], float] = {}  # when a connection last timed out
+
+
+def _probe(store: Any, rank: int) -> str:
+    """Whether ``rank``'s process is ``"gone"`` (its endpoint closed or refused), ``"here"``
+    (the kernel still answers for it) or ``"unknown"`` (not published, or unreachable)."""
+    try:
+        if not store.check([_WHERE_KEY + str(rank)]):
+            return "unknown"
+        value = store.get(_WHERE_KEY + str(rank)).decode("utf-8", "replace")
+        address, port, hostname, _pid = value.split()
+        if ipaddress.ip_address(address).is_loopback and hostname != socket.gethostname():
+            return "unknown"  # a loopback address of another host: not reachable from here
+        port_number = int(port)
+    except Exception:  # noqa: BLE001 - a store that is gone, or a value not ours
+        return "unknown"
+    link = (rank, value)
+    sock = _links.get(link)
+    if sock is None:
+        if time.monotonic() - _unreachable.get(link, -1e9) < 5.0:
+            return "unknown"  # a connect timed out just now: do not stall every check
+        try:
+            sock = socket.create_connection((address, port_number), timeout=1.0)
+        except ConnectionRefusedError:
+            return "gone"
+        except OSError:
+            _unreachable[link] = time.monotonic()
+            return "unknown"
+        sock.setblocking(False)
+        _links[link] = sock
+    try:
+        data = sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return "here"  # open, nothing to read: the kernel holds it for a live process
+    except OSError:  # reset: the process died with the connection open
+        data = b""
+    if data:
+        return "unknown"  # the endpoint never sends: not ours
+    del _links[link]
+    sock.close()
+    return "gone"
 
 
 def post_failure(rank: int, reason: str) -> None:
@@ -139,15 +319,21 @@ class PeerFailure(RuntimeError):
 
 
 class _Liveness:
-    """Tells dead peers from slow ones by whether their heartbeat counters move."""
+    """Tells dead peers from slow ones: see the module docstring for the rule."""
 
     def __init__(self, ranks: list[int]) -> None:
-        self.store = _default_store()
+        store = _default_store()
+        # A clone of our own: reads that no blocked store call of another thread holds up.
+        self.store = None if store is None else _clone(store)
         me = dist.get_rank() if dist.is_initialized() else -1
         self.ranks = [r for r in ranks if r != me]
         self.seen: dict[int, tuple[bytes, float]] = {}
+        self.verdicts: dict[int, str] = {}  # rank -> why it is named dead
+        self.silent_after = _silent_after_s(strict=False)
 
     def dead(self) -> list[int]:
+        """Peers named dead now (gone, or silent past the limit), the longest silent first
+        (one a peer already named, first of all)."""
         if self.store is None:
             return []
         now = time.monotonic()
@@ -165,11 +351,25 @@ class _Liveness:
             last = self.seen.get(r)
             if last is None or last[0] != value:
                 self.seen[r] = (value, now)
-            elif now - last[1] >= DEAD_AFTER_S:
+                continue
+            stalled = now - last[1]
+            if stalled < GONE_AFTER_S:
+                continue
+            if stalled >= self.silent_after:
+                self.verdicts[r] = (
+                    f"it has been silent for {stalled:.0f} s: no heartbeat, and its process "
+                    "is stopped, starved or on a host that cannot be reached (the limit is "
+                    f"DISTRIBUTED_EXT_SILENT_AFTER_S={self.silent_after:g} s)")
                 out.append((last[1], r))
-        # The one silent longest first; a rank a peer already named dead before all others.
+            elif _probe(self.store, r) == "gone":
+                self.verdicts[r] = (f"its process is gone: its heartbeat stopped {stalled:.1f} s "
+                                    "ago and its liveness endpoint is closed")
+                out.append((last[1], r))
         posted = posted_failure() if out else None
         return [r for _t, r in sorted(out, key=lambda e: (posted is None or e[1] != posted[0], e))]
+
+    def why(self, rank: int) -> str:
+        return self.verdicts.get(rank, "its heartbeat stopped")
 
 
 class DeferredInterrupts:
@@ -341,8 +541,9 @@ def _await(events: queue.SimpleQueue, error_of: Callable[[], BaseException | Non
                     liveness = _Liveness(ranks)
                 dead = liveness.dead()
                 if dead:
-                    post_failure(dead[0], "its heartbeat stopped")
-                    raise RuntimeError(_dead_message(what, dead, " while this rank waited for it"))
+                    post_failure(dead[0], liveness.why(dead[0]))
+                    raise RuntimeError(_dead_message(what, dead, liveness,
+                                                     " while this rank waited for it"))
         except (KeyboardInterrupt, SystemExit) as exc:
             if interrupt is not None or DeferredInterrupts.any_pending():
                 raise  # a second interrupt: leave now, the work stays with its thread
@@ -377,25 +578,26 @@ def _raise_worker_error(error: BaseException, liveness: _Liveness | None, ranks:
             f"the process group can no longer be used -- the job must stop (here the "
             f"transport said: {error})"
         ) from error
-    dead = _attribute(liveness or _Liveness(ranks))
+    liveness = liveness or _Liveness(ranks)
+    dead = _attribute(liveness)
     if dead:
-        post_failure(dead[0], "its heartbeat stopped")
-        raise RuntimeError(_dead_message(what, dead, "") + f" (the transport said: "
+        post_failure(dead[0], liveness.why(dead[0]))
+        raise RuntimeError(_dead_message(what, dead, liveness, "") + f" (the transport said: "
                            f"{error})") from error
     raise error
 
 
-def _dead_message(what: str, dead: list[int], when: str) -> str:
+def _dead_message(what: str, dead: list[int], liveness: _Liveness, when: str) -> str:
     return (
-        f"{what}: rank {dead[0]} died (its heartbeat stopped {DEAD_AFTER_S:.0f} s ago{when})"
-        + (f"; ranks {dead} are all silent" if len(dead) > 1 else "")
+        f"{what}: rank {dead[0]} died ({liveness.why(dead[0])}{when})"
+        + (f"; ranks {dead} are all dead or silent" if len(dead) > 1 else "")
         + "; the process group can no longer be used -- the job must stop"
     )
 
 
 def _attribute(liveness: _Liveness) -> list[int]:
-    """The peers found dead within one staleness window (empty: nobody is known dead)."""
-    deadline = time.monotonic() + DEAD_AFTER_S + 2 * CHECK_EVERY_S
+    """The peers found gone within one staleness window (empty: nobody is known dead)."""
+    deadline = time.monotonic() + GONE_AFTER_S + 3 * CHECK_EVERY_S
     while True:
         dead = liveness.dead()
         if dead or time.monotonic() >= deadline:

@@ -125,3 +125,117 @@ def test_an_interrupt_between_waits_is_recorded_and_a_second_leaves_at_once():
     # a round ahead of its peers; the block records it wherever it lands.
     assert assert_all_ok(run_ranks(_interrupt_between_waits, 1, init=False)) == [
         (True, True, True)]
+
+
+# -- liveness: gone is named at once, silent only after the limit ----------------------------
+
+
+def _tcp_group(world, port, pg_timeout=150.0):
+    """A gloo group over a TCPStore (what torchrun sets up): its client serializes calls."""
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=int(os.environ["RANK"]), world_size=world,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+
+
+def _stopped_and_blocked_ranks(world, port, pause_s, block_s):
+    import datetime
+    import subprocess
+
+    import distributed_ext as dx
+
+    _tcp_group(world, port)
+    rank = dist.get_rank()
+    dx.all_reduce("warm-up", lambda: rank, list)  # every rank beats from here on
+    time.sleep(1.0)
+    if rank == 1:
+        # Stopped whole (a debugger, a cgroup freeze, a VM snapshot): no thread of it runs.
+        subprocess.Popen(["bash", "-c", f"kill -STOP {os.getpid()}; sleep {pause_s}; "
+                                        f"kill -CONT {os.getpid()}"])
+        time.sleep(0.5)  # stopped in here
+    if rank == 2:
+        # Blocked in a store call of the group's own client (new_group waiting for a late
+        # peer): the heartbeat must not wait behind it.
+        store = dist.distributed_c10d._get_default_store()
+        try:
+            store.wait(["distributed_ext-test/never"], datetime.timedelta(seconds=block_s))
+        except Exception:  # noqa: BLE001 - the store call's own timeout: expected
+            pass
+    start = time.monotonic()
+    values = dx.all_reduce("after the pause", lambda: rank * 10, list)
+    return values, time.monotonic() - start
+
+
+def test_a_stopped_rank_and_a_rank_blocked_in_the_store_are_waited_for_not_named_dead():
+    from harness import free_port
+
+    pause_s, block_s = 60, 20
+    results = run_ranks(_stopped_and_blocked_ranks, 3, 3, free_port(), pause_s, block_s,
+                        init=False, timeout=240, rank_env={r: {"RANK": str(r)} for r in range(3)})
+    values = assert_all_ok(results)
+    for got, _waited in values:
+        assert got == [0, 10, 20]
+    # Rank 0 really waited for the stopped rank (it was watched, past the grace, throughout).
+    assert values[0][1] >= pause_s - 5, values
+
+
+def _store_host_leaves(world, port):
+    import distributed_ext as dx
+
+    _tcp_group(world, port)
+    rank = dist.get_rank()
+    dx.all_reduce("warm-up", lambda: rank, list)
+    if rank == 0:
+        os._exit(0)  # the store's host: gone, with the store
+    time.sleep(6.0)  # 12 beats' time
+    return _native.heartbeat_failed()
+
+
+def test_the_heartbeat_stops_once_the_stores_host_is_gone_instead_of_logging_each_beat():
+    from harness import free_port
+
+    results = run_ranks(_store_host_leaves, 2, 2, free_port(), init=False, timeout=60,
+                        rank_env={r: {"RANK": str(r)} for r in range(2)})
+    assert results[1].ok, results[1]
+    assert results[1].value is True  # it gave up
+    warnings = [line for line in results[1].output.splitlines() if "[c10d]" in line]
+    # Three failed beats at most (one or two lines each), not one per beat until exit.
+    assert len(warnings) <= 6, warnings
+
+
+def _silence_limit_named(world):
+    import distributed_ext as dx
+
+    rank = dist.get_rank()
+    pids = dx.all_reduce("warm-up", os.getpid, list)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # never continued: rank 0 kills it
+    start = time.monotonic()
+    try:
+        dx.all_reduce("after", lambda: rank, list)
+        outcome = "no error"
+    except RuntimeError as exc:
+        outcome = str(exc)
+    waited = time.monotonic() - start
+    os.kill(pids[1], signal.SIGKILL)
+    return outcome, waited
+
+
+def test_a_rank_silent_past_the_limit_is_named_with_the_limit():
+    results = run_ranks(_silence_limit_named, 2, 2, timeout=40,
+                        env={"DISTRIBUTED_EXT_SILENT_AFTER_S": "6"})
+    message, waited = results[0].value
+    assert "rank 1 died" in message and "silent" in message, message
+    assert "DISTRIBUTED_EXT_SILENT_AFTER_S=6" in message, message
+    assert 5 <= waited < 15, waited
+
+
+def test_the_silence_limit_is_checked():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import distributed_ext"], capture_output=True,
+                         text=True, env={**os.environ, "DISTRIBUTED_EXT_SILENT_AFTER_S": "1"})
+    assert out.returncode != 0
+    assert "DISTRIBUTED_EXT_SILENT_AFTER_S='1'" in out.stderr, out.stderr[-2000:]
