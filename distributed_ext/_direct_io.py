@@ -86,6 +86,7 @@ class DirectFile:
         self.direct_fd: int | None = None
         self.direct_fd_usable = True
         self.direct_bytes = 0  # written direct (for tests and figures)
+        self.direct_capable = False
         self._local = threading.local()
         self._lock = threading.Lock()
         try:
@@ -94,6 +95,7 @@ class DirectFile:
             if flag:
                 with contextlib.suppress(OSError):  # EINVAL where refused: page cache only
                     self.direct_fd = os.open(path, os.O_WRONLY | flag)
+            self.direct_capable = self.direct_fd is not None  # the filesystem takes O_DIRECT
         except BaseException:
             self.close()
             raise
@@ -158,6 +160,21 @@ class DirectFile:
         """Makes every byte durable (the page-cache part and the metadata; direct writes
         already are, but the device's cache is flushed too)."""
         os.fsync(self.fd)
+
+    @property
+    def is_open(self) -> bool:
+        return self.fd >= 0
+
+    def reopen(self) -> None:
+        """Opens the file again after :meth:`close` (a writer that keeps many files bounds
+        how many are open at once); a no-op while it is open."""
+        if self.fd >= 0:
+            return
+        self.fd = os.open(self.path, os.O_WRONLY)
+        flag = getattr(os, "O_DIRECT", 0)
+        if flag and self.direct_fd_usable:
+            with contextlib.suppress(OSError):
+                self.direct_fd = os.open(self.path, os.O_WRONLY | flag)
 
     def close(self) -> None:
         for fd in (self.direct_fd, self.fd):

@@ -22,9 +22,9 @@ the calling thread watches:
     stopped, frozen, starved or swapping: the kernel answers for it), or whose endpoint
     cannot be reached at all (its host vanished, or a firewall), is **silent**; it is named
     dead only after ``SILENT_AFTER_S`` (90 s by default; the environment variable
-    ``DISTRIBUTED_EXT_SILENT_AFTER_S`` sets it, checked at import, read at each wait). So a rank paused for up to
-    60 s by a debugger or a cgroup freeze is waited for, and a host that vanishes is named
-    after the limit.
+    ``DISTRIBUTED_EXT_SILENT_AFTER_S`` sets it, checked at import, read at each wait). So a
+    rank paused for up to 60 s by a debugger or a cgroup freeze is waited for, and a host
+    that vanishes is named after the limit.
 
   A peer that has never beaten (it has not reached its first collective yet) is never
   called dead. Limits: a dead process's port taken by another process within seconds makes

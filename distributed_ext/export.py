@@ -42,6 +42,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import threading
 import uuid
@@ -54,7 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distributed_ext import _agree, _direct_io, _keys, _native, _staging, _watch, runtime
-from distributed_ext.collectives import all_reduce
+from distributed_ext.collectives import _require_group_if_launched, all_reduce
 from distributed_ext.plan import DistributionPlan, recorded_plan
 
 __all__ = ["export_hf_checkpoint", "gather_full_state"]
@@ -196,6 +197,7 @@ class Described:
     sig_ids: bytes  # array('i') of one index per key
     signatures: list[Signature]
     plan: tuple | None = None
+    args: Any = None  # the call's _Args, agreed in the same round
 
 
 def _placement_code(key: str, p: Any) -> tuple:
@@ -689,30 +691,129 @@ def safetensors_header(entries: list[Entry]) -> tuple[bytes, dict[str, int]]:
     return head, {k: v + len(head) for k, v in offsets.items()}
 
 
-class FileSink:
-    """Temporary safetensors files in the target directory, renamed into place on commit."""
+# Files an export publishes; whatever else a directory holds (a tokenizer, a README) is kept.
+_CONFIG_NAMES = ("config.json", "generation_config.json")
+_STAGE_TAG = ".dext-export-"
+# Temporary files of versions that staged inside the directory (".model.safetensors.<hex>.tmp").
+_LEGACY_TMP_RE = re.compile(r"^\.(model.*\.safetensors|model\.safetensors\.index\.json|config\.json"
+                            r"|generation_config\.json)\.[0-9a-f]{32}\.tmp$")
+# Shard files a sink keeps open at once (each holds two descriptors); the rest are reopened
+# when written to, so 10,000 shards need no more than the common 1024-descriptor limit.
+OPEN_FILES = 32
 
-    def __init__(self, directory: str, files: list[list[Entry]]) -> None:
-        self.directory = directory
-        self.created = not os.path.isdir(directory)
-        os.makedirs(directory, exist_ok=True)
+
+def _config_texts(model: nn.Module | None) -> dict[str, str]:
+    """``config.json``/``generation_config.json`` as ``save_pretrained`` writes them, computed
+    before any byte moves (a config that does not serialize fails the preparing round)."""
+    out = {}
+    for name, attr in zip(_CONFIG_NAMES, ("config", "generation_config")):
+        obj = getattr(model, attr, None) if model is not None else None
+        if obj is not None and hasattr(obj, "to_json_string"):
+            try:
+                out[name] = obj.to_json_string(use_diff=True)
+            except Exception as exc:
+                raise ValueError(f"model.{attr} does not serialize to JSON ({type(exc).__name__}: "
+                                 f"{exc}); make its attributes JSON-serializable (or delete the "
+                                 "offending attribute) before exporting") from exc
+    return out
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove(path: str) -> None:
+    """Removes a file, link or directory tree; a missing one is fine."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _link_tree(src: str, dst: str) -> None:
+    """``src`` (a file, link or directory tree) at ``dst`` too: hard links, a copy where the
+    filesystem refuses them."""
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+    elif os.path.isdir(src):
+        os.mkdir(dst)
+        for name in os.listdir(src):
+            _link_tree(os.path.join(src, name), os.path.join(dst, name))
+    else:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+
+class FileSink:
+    """A checkpoint built in a stage directory and published whole.
+
+    The stage is a hidden sibling of ``directory`` (``.<name>.dext-export-<hex>``, so that it
+    is on the same filesystem); the shard files, the index and the configs are written there,
+    made durable, and published in one step (:meth:`commit`): a new directory is renamed into
+    place; an existing one is swapped with the stage by ``renameat2(RENAME_EXCHANGE)`` after
+    the files of it that the checkpoint does not replace (a tokenizer, a README) are
+    hard-linked into the stage. A crash at any instant therefore leaves the earlier checkpoint
+    or the new one, never a mix, and ``config.json`` is published with the weights. Where the
+    swap is not available (not Linux, a filesystem without it, a directory that is a mount
+    point or whose parent is not writable), the files are renamed into the directory in an
+    order that makes a partial state fail to load loudly: the index and a single-file
+    checkpoint's weights removed first, the shards and configs renamed in, the index (or the
+    single file) last. Stages of earlier crashed exports of the same directory are removed
+    when a new one starts: one export per directory at a time.
+    """
+
+    def __init__(self, directory: str, files: list[list[Entry]], model: nn.Module | None = None
+                 ) -> None:
+        self.directory = os.path.abspath(directory)
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise ValueError(f"directory={directory!r} exists and is not a directory; pass a "
+                             "directory path (it is created if missing)")
+        self.texts = _config_texts(model)
+        parent, base = os.path.split(self.directory.rstrip(os.sep) or os.sep)
+        self._remove_stale(parent, base)
+        token = uuid.uuid4().hex
+        self.swap = os.path.isdir(parent) and os.access(parent, os.W_OK) and not (
+            os.path.isdir(self.directory)
+            and os.stat(self.directory).st_dev != os.stat(parent).st_dev)  # a mount point
+        if self.swap:
+            self.stage = os.path.join(parent, f".{base}{_STAGE_TAG}{token}")
+        else:
+            os.makedirs(self.directory, exist_ok=True)
+            self.stage = os.path.join(self.directory, f"{_STAGE_TAG}{token}")
+        os.mkdir(self.stage)
         n = len(files)
         self.names = [WEIGHTS_NAME] if n == 1 else [
             f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        self.tmp = [os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-                    for name in self.names]
         self.files: list[_direct_io.DirectFile] = []
         # key -> (its file, its data's offset in the file)
         self.where: dict[str, tuple[_direct_io.DirectFile, int]] = {}
         self.weight_map: dict[str, str] = {}
         self.total = 0
+        self._lock = threading.Lock()
+        self._open: collections.OrderedDict[_direct_io.DirectFile, int] = \
+            collections.OrderedDict()  # open files -> writers using each now
         try:
-            for name, path, group in zip(self.names, self.tmp, files):
+            for name, group in zip(self.names, files):
                 head, offsets = safetensors_header(group)
                 size = len(head) + sum(e.nbytes for e in group)
-                file = _direct_io.DirectFile(path, size)
+                file = _direct_io.DirectFile(os.path.join(self.stage, name), size)
                 self.files.append(file)
                 file.write(0, torch.frombuffer(bytearray(head), dtype=torch.uint8))
+                file.close()  # reopened when written to: a bounded number open at once
                 for e in group:
                     self.where[e.key] = (file, offsets[e.key])
                     self.weight_map[e.key] = name
@@ -720,6 +821,39 @@ class FileSink:
         except BaseException:
             self.abort()  # no temporary file outlives a failed start
             raise
+
+    def _remove_stale(self, parent: str, base: str) -> None:
+        """Removes what crashed exports of this directory left: stages, old temp files."""
+        with contextlib.suppress(OSError):
+            for name in os.listdir(parent):
+                if name.startswith(f".{base}{_STAGE_TAG}"):
+                    _remove(os.path.join(parent, name))
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.directory):
+                if name.startswith(_STAGE_TAG) or _LEGACY_TMP_RE.match(name):
+                    _remove(os.path.join(self.directory, name))
+
+    @contextlib.contextmanager
+    def _opened(self, file: _direct_io.DirectFile) -> Iterator[None]:
+        """``file`` open for the block; the least recently used idle one is closed when
+        ``OPEN_FILES`` are open (writers from two threads: dst's own pieces, received)."""
+        with self._lock:
+            users = self._open.pop(file, None)
+            if users is None:
+                while len(self._open) >= OPEN_FILES:
+                    idle = next((f for f, u in self._open.items() if u == 0), None)
+                    if idle is None:
+                        break
+                    del self._open[idle]
+                    idle.close()
+                file.reopen()
+                users = 0
+            self._open[file] = users + 1  # most recently used: last
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[file] -= 1
 
     def write_batch(self, data: torch.Tensor, rows: list[tuple[str, int, int, int]]) -> None:
         """Writes ``data[at : at + n]`` at ``offset`` of each row's ``(key, offset, at, n)``:
@@ -732,9 +866,11 @@ class FileSink:
             if n < SMALL_RUN:
                 small.setdefault(file, []).append((ptr + at, base + offset, n))
             else:
-                file.write(base + offset, data[at : at + n])
+                with self._opened(file):
+                    file.write(base + offset, data[at : at + n])
         for file, segments in small.items():
-            file.write_segments(segments)  # data is held by the caller meanwhile
+            with self._opened(file):
+                file.write_segments(segments)  # data is held by the caller meanwhile
 
     def address_shift(self, key: str, offset: int) -> int:
         """Where a receive buffer for bytes at ``offset`` of ``key`` should start (mod
@@ -747,62 +883,90 @@ class FileSink:
         return sum(f.direct_bytes for f in self.files)
 
     def close(self) -> None:
-        for file in self.files:
-            file.close()
-        self.files = []
+        with self._lock:
+            for file in self.files:
+                file.close()
+            self._open.clear()
 
     def abort(self) -> None:
-        """Removes the temporary files (and the directory if this export created it)."""
+        """Removes the stage; the directory is as it was."""
         self.close()
-        for path in self.tmp:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        if self.created:
-            with contextlib.suppress(OSError):
-                os.rmdir(self.directory)  # only if still empty
+        _remove(self.stage)
 
-    def commit(self, model: nn.Module | None) -> None:
-        for file in self.files:
-            file.sync()
+    def commit(self) -> None:
+        """Makes the stage durable and publishes it (see the class docstring)."""
         self.close()
-        for path, name in zip(self.tmp, self.names):
-            os.replace(path, os.path.join(self.directory, name))
-        keep = set(self.names)
+        for file in self.files:
+            _fsync_path(file.path)
+        published = list(self.names)
         if len(self.names) > 1:
             index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
-            _write_text(os.path.join(self.directory, INDEX_NAME), json.dumps(index, indent=2))
-            keep.add(INDEX_NAME)
+            _write_file(os.path.join(self.stage, INDEX_NAME), json.dumps(index, indent=2))
+            published.append(INDEX_NAME)
+        for name, text in self.texts.items():
+            _write_file(os.path.join(self.stage, name), text)
+            published.append(name)
+        _fsync_path(self.stage, directory=True)
+        if self.swap and self._publish_swap():
+            return
+        self._publish_in_place(published)
+
+    def _replaced(self, name: str) -> bool:
+        """Whether ``name`` in the directory belongs to the checkpoint this one replaces."""
+        return bool(_SHARD_RE.match(name)) or name == INDEX_NAME or name in self.texts or \
+            name.startswith(_STAGE_TAG) or bool(_LEGACY_TMP_RE.match(name))
+
+    def _publish_swap(self) -> bool:
+        """The stage becomes the directory in one step; False where it cannot be swapped."""
+        parent = os.path.dirname(self.directory)
+        if not os.path.lexists(self.directory):
+            os.rename(self.stage, self.directory)  # nothing was there: one atomic rename
+            _fsync_path(parent, directory=True)
+            return True
+        carried = []
+        for name in os.listdir(self.directory):
+            if not self._replaced(name):
+                _link_tree(os.path.join(self.directory, name), os.path.join(self.stage, name))
+                carried.append(name)
+        if not _native.exchange_paths(self.stage, self.directory):
+            for name in carried:
+                _remove(os.path.join(self.stage, name))
+            return False
+        _fsync_path(parent, directory=True)
+        # The stage path now holds the earlier directory. Anything written into it since the
+        # links were made moves over; the rest (the earlier checkpoint) goes.
+        for name in os.listdir(self.stage):
+            if not self._replaced(name) and not os.path.lexists(
+                    os.path.join(self.directory, name)):
+                with contextlib.suppress(OSError):
+                    os.rename(os.path.join(self.stage, name), os.path.join(self.directory, name))
+        _remove(self.stage)
+        return True
+
+    def _publish_in_place(self, published: list[str]) -> None:
+        """Renames the stage's files into the directory, the entry point last (see the class
+        docstring), then removes stale shards of the earlier checkpoint."""
+        os.makedirs(self.directory, exist_ok=True)
+        target = functools.partial(os.path.join, self.directory)
+        # First what makes a partial state load: the index, a single-file checkpoint.
+        for name in (INDEX_NAME, WEIGHTS_NAME):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target(name))
+        last = INDEX_NAME if len(self.names) > 1 else WEIGHTS_NAME
+        for name in [n for n in published if n != last] + [last]:
+            os.replace(os.path.join(self.stage, name), target(name))
+        _fsync_path(self.directory, directory=True)
         for name in os.listdir(self.directory):  # stale shards of an earlier checkpoint
-            if (_SHARD_RE.match(name) or name == INDEX_NAME) and name not in keep:
+            if _SHARD_RE.match(name) and name not in published:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.directory, name))
-        config = getattr(model, "config", None) if model is not None else None
-        if config is not None and hasattr(config, "to_json_string"):
-            _write_text(os.path.join(self.directory, "config.json"),
-                        config.to_json_string(use_diff=True))
-        generation = getattr(model, "generation_config", None) if model is not None else None
-        if generation is not None and hasattr(generation, "to_json_string"):
-            _write_text(os.path.join(self.directory, "generation_config.json"),
-                        generation.to_json_string(use_diff=True))
-
-
-def _write_text(path: str, text: str) -> None:
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+                    os.unlink(target(name))
+        _remove(self.stage)
 
 
 class MemorySink:
     """Full CPU tensors on dst, filled in place."""
 
-    def __init__(self, entries: list[Entry]) -> None:
+    def __init__(self, entries: list[Entry], model: nn.Module | None = None) -> None:
         self.tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
         self.flat = {k: t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
                      for k, t in self.tensors.items()}
@@ -973,6 +1137,10 @@ class _Stager:
     A piece that fails to read (``failure``) turns this and every later message into zeros
     of the same size: the stream keeps its shape, so no peer waits, and the failure is
     agreed afterwards.
+
+    Everything it will need is allocated by :meth:`reserve`, in the round that agrees the
+    ranks are ready, so that no allocation fails mid-stream (a peer would wait for bytes that
+    never come).
     """
 
     def __init__(self, state: dict[str, torch.Tensor], chunk: int, link: torch.device,
@@ -981,6 +1149,7 @@ class _Stager:
         self.failure: BaseException | None = None
         self.current: tuple[Piece | None, torch.Tensor | None] = (None, None)
         self.zeros: torch.Tensor | None = None
+        self.zeros_filled = False
         self.dev_slots: torch.Tensor | None = None
         self.host_slots: torch.Tensor | None = None
 
@@ -998,6 +1167,36 @@ class _Stager:
             return None
         self.current = (p, data)
         return data
+
+    def reserve(self, messages: list[list[Segment]]) -> None:
+        """Allocates the slots these messages need and the buffer zeros are sent from after
+        a failure (host: uninitialized until then; device: a slot is zeroed instead)."""
+        if not messages:
+            return
+        packed = any(len(m) > 1 for m in messages)
+        if self.link.type == "cuda":
+            if packed or any(not _local(self.state[p.source]).is_cuda
+                             for m in messages for _e, p, _s, _n in m):
+                self.dev_slots = torch.empty((3, self.chunk), dtype=torch.uint8,
+                                             device=self.link)
+            return
+        if packed and self.pinned is None:
+            self.host_slots = torch.empty(
+                (3, min(self.chunk, PACK_BYTES) + 2 * _direct_io.ALIGN), dtype=torch.uint8)
+        self.zeros = torch.empty(max(_message_nbytes(m) for m in messages), dtype=torch.uint8)
+
+    def _failed_bytes(self, slot: int, n: int) -> torch.Tensor:
+        """``n`` zero bytes to send in place of a message after a failure."""
+        if self.link.type == "cuda":
+            if self.dev_slots is None:  # (every message was sent from its own memory so far)
+                self.dev_slots = torch.empty((3, self.chunk), dtype=torch.uint8,
+                                             device=self.link)
+            return self.dev_slots[slot, :n].zero_()
+        assert self.zeros is not None, "reserve() was not called"
+        if not self.zeros_filled:
+            self.zeros.zero_()
+            self.zeros_filled = True
+        return self.zeros[:n]
 
     def _slot(self, slot: int, n: int, shift: int) -> torch.Tensor:
         if self.link.type == "cuda":
@@ -1019,9 +1218,7 @@ class _Stager:
         n = _message_nbytes(message)
         sources = [self._bytes(p) for _e, p, _s, _n in message]
         if self.failure is not None:
-            if self.zeros is None:
-                self.zeros = torch.zeros(self.chunk, dtype=torch.uint8, device=self.link)
-            return self.zeros[:n], None
+            return self._failed_bytes(slot, n), None
         if len(message) == 1 and sources[0].device.type == self.link.type:
             s = message[0][2]
             data = _flat_bytes(sources[0])
@@ -1049,13 +1246,11 @@ class _Stager:
         return (self.pinned, self.dev_slots, self.host_slots)
 
 
-def _write_own(state: dict[str, torch.Tensor], sink: Any, items: list[tuple[Entry, Piece]],
-               chunk: int, pinned: _PinnedSlots | None) -> None:
+def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]]) -> None:
     """Writes this rank's own pieces to the sink, message by message (:func:`plan_messages`):
     small pieces packed, so the files see one batch of runs per chunk, not one call per
-    tensor; GPU bytes through ``pinned`` (never a whole block on the host)."""
-    stager = _Stager(state, chunk, torch.device("cpu"), pinned)
-    for message in plan_messages(items, chunk):
+    tensor; GPU bytes through the stager's pinned slot (never a whole block on the host)."""
+    for message in messages:
         data, _keep = stager.stage(message, 0, _placement(sink, message))
         if stager.failure is not None:
             raise stager.failure
@@ -1067,8 +1262,73 @@ def _write_own(state: dict[str, torch.Tensor], sink: Any, items: list[tuple[Entr
 _ABANDONED: list[Any] = []
 
 
-def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
-              ctx: _agree.GroupContext, dst_rank: int, chunk: int, what: str) -> None:
+@dataclass
+class _Prepared:
+    """What one rank allocated for the transfer, before it starts (:func:`_prepare_transfer`)."""
+
+    messages: list[list[Segment]]  # this rank's own pieces, as messages
+    stager: _Stager
+    pinned: _PinnedSlots | None
+    gpu_shards: bool
+    # dst only: each sender's messages still to receive, and its free receive buffers
+    plans: dict[int, collections.deque] = field(default_factory=dict)
+    free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def release(self) -> None:
+        if self.pinned is not None:
+            self.pinned.release()
+            self.pinned = None
+
+
+def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
+                      ctx: _agree.GroupContext | None, dst_rank: int,
+                      chunk: int) -> _Prepared:
+    """Plans this rank's messages and allocates every buffer the transfer needs (raising
+    here, in the round that agrees the ranks are ready, rather than mid-stream): dst two
+    receive chunks per sender and its own pieces' slots, a sender its staging slots.
+    ``ctx`` None: one process, no link."""
+    me = 0 if ctx is None else ctx.rank
+    link = torch.device("cpu") if ctx is None else ctx.device
+    on_device = link.type == "cuda"  # NCCL: what crosses the link is device memory
+    by_rank: dict[int, list[tuple[Entry, Piece]]] = {}
+    for e in entries:
+        for p in e.pieces:
+            by_rank.setdefault(p.rank, []).append((e, p))
+    mine = by_rank.get(me, [])
+    gpu_shards = _needs_pinned(state, mine)  # any of this rank's pieces on a GPU
+    messages = plan_messages(mine, chunk)
+    pinned = None
+    try:
+        if me != dst_rank:
+            if gpu_shards and not on_device:
+                pinned = _PinnedSlots(3, chunk)
+            stager = _Stager(state, chunk, link, pinned)
+            stager.reserve(messages)
+            return _Prepared(messages, stager, pinned, gpu_shards)
+        # Pinned slots: 0 for the own-pieces thread (GPU shards), 1 for received device chunks.
+        if gpu_shards or on_device:
+            pinned = _PinnedSlots(2, chunk)
+        stager = _Stager(state, chunk, torch.device("cpu"), pinned)
+        stager.reserve(messages)
+        prepared = _Prepared(messages, stager, pinned, gpu_shards)
+        for r, items in by_rank.items():
+            if r == me:
+                continue
+            prepared.plans[r] = collections.deque(plan_messages(items, chunk))
+            if on_device:
+                prepared.free[r] = list(torch.empty((2, chunk), dtype=torch.uint8, device=link))
+            else:
+                prepared.free[r] = [torch.empty(chunk + 2 * _direct_io.ALIGN, dtype=torch.uint8)
+                                    for _ in range(2)]
+        return prepared
+    except BaseException:
+        if pinned is not None:
+            pinned.release()
+        raise
+
+
+def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
+              ctx: _agree.GroupContext, dst_rank: int, what: str) -> None:
     """Moves every piece to dst's sink: dst's own directly, the others' over the link.
 
     Each rank's pieces travel as the messages of :func:`plan_messages`: a large piece's from
@@ -1076,18 +1336,13 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
     host chunks on a CPU backend (gloo) and device chunks on NCCL; bytes that live elsewhere
     than the link wants cross over chunk by chunk (:class:`_Stager`): a GPU shard through
     pinned slots to gloo, a host shard through device slots to NCCL, and on dst a received
-    device chunk through a pinned slot to the sink. No block is ever copied whole.
+    device chunk through a pinned slot to the sink. No block is ever copied whole. Every
+    buffer was allocated by :func:`_prepare_transfer`; the pinned ones are released here
+    (kept forever where a peer failed with transfers posted).
     """
     me = ctx.rank
-    on_device = ctx.device.type == "cuda"  # NCCL: what crosses the link is device memory
-    by_rank: dict[int, list[tuple[Entry, Piece]]] = {}
-    for e in entries:
-        for p in e.pieces:
-            by_rank.setdefault(p.rank, []).append((e, p))
-    mine = by_rank.get(me, [])
-
-    gpu_shards = _needs_pinned(state, mine)  # any of this rank's pieces on a GPU
-    if gpu_shards:
+    on_device = ctx.device.type == "cuda"
+    if prepared.gpu_shards:
         # Our threads copy on their own (default) streams: whatever the caller's streams
         # still compute into the shards lands first.
         torch.cuda.synchronize()
@@ -1096,14 +1351,13 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
         if on_device:
             torch.cuda.set_device(ctx.device)  # a new thread starts on GPU 0
         if me != dst_rank:
-            _send(plan_messages(mine, chunk))
+            _send()
         else:
             _receive()
 
-    def _send(messages: list[list[Segment]]) -> None:
+    def _send() -> None:
         in_flight: collections.deque = collections.deque()  # two sends, with what they read
-        pinned = _PinnedSlots(3, chunk) if gpu_shards and not on_device else None
-        stager = _Stager(state, chunk, ctx.device, pinned)
+        stager = prepared.stager
         done = False
 
         def wait_oldest() -> None:
@@ -1115,7 +1369,7 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 raise _watch.PeerFailure(ctx.ranks[dst_rank], exc) from exc
 
         try:
-            for i, message in enumerate(messages):
+            for i, message in enumerate(prepared.messages):
                 if len(in_flight) == 2:
                     wait_oldest()  # its slot is free again
                 data, keep = stager.stage(message, i % 3)
@@ -1127,13 +1381,14 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
                 torch.cuda.current_stream(ctx.device).synchronize()  # every send has left
             done = True
         finally:
-            if pinned is not None and done:
-                pinned.release()
+            if done:
+                prepared.release()
         if stager.failure is not None:
             raise _watch.LocalFailure(stager.failure)
 
     def _receive() -> None:
         failures: list[BaseException] = []  # the first is raised; appended from two threads
+        pinned, plans, free = prepared.pinned, prepared.plans, prepared.free
 
         def write(message: list[Segment], data: torch.Tensor) -> None:
             # A sink that fails (a full disk) stops writing, but dst keeps receiving, so no
@@ -1145,27 +1400,16 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             except BaseException as exc:  # noqa: BLE001
                 failures.append(exc)
 
-        # Pinned slots: 0 for the own-pieces thread (GPU shards), 1 for received device chunks.
-        pinned = _PinnedSlots(2, chunk) if gpu_shards or on_device else None
-
         def write_own() -> None:
             if on_device:
                 torch.cuda.set_device(ctx.device)
             try:
-                _write_own(state, sink, mine, chunk, pinned)
+                _write_own(prepared.stager, sink, prepared.messages)
             except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
                 failures.append(exc)
 
         # Two receives in flight per sender, each written as it lands, while a second thread
         # writes dst's own pieces: the link, the disk and the senders all keep busy.
-        plans = {r: collections.deque(plan_messages(items, chunk))
-                 for r, items in by_rank.items() if r != me}
-        if on_device:
-            free = {r: list(torch.empty((2, chunk), dtype=torch.uint8, device=ctx.device))
-                    for r in plans}
-        else:
-            free = {r: [torch.empty(chunk + 2 * _direct_io.ALIGN, dtype=torch.uint8)
-                        for _ in range(2)] for r in plans}
         pending: dict[int, collections.deque] = {r: collections.deque() for r in plans}
 
         def post(r: int) -> None:
@@ -1211,28 +1455,63 @@ def _transfer(state: dict[str, torch.Tensor], entries: list[Entry], sink: Any,
             clean = True
         finally:
             own.join()  # its writes end before anything closes the sink's files
-            if pinned is not None and clean:
-                pinned.release()
+            if clean:
+                prepared.release()
         if failures:
             raise _watch.LocalFailure(failures[0])
 
     _watch.run_watched(body, ctx.ranks, what)
 
 
+@dataclass
+class _Args:
+    """The arguments every rank must pass alike, checked on each and agreed in the metadata
+    round (a ``dst`` or ``chunk_bytes`` that differs between ranks would leave them waiting
+    for messages that never come, or abort the transport)."""
+
+    dst: int
+    chunk_bytes: int
+    extra: tuple[tuple[str, Any], ...] = ()  # (argument name, value) of the caller's own
+
+
+def _check_args(described: list[Described], ctx: _agree.GroupContext, what: str) -> None:
+    """ValueError on every rank alike if the ranks passed different arguments."""
+    first = described[0].args
+    for name, index in [("dst", None), ("chunk_bytes", None)] + [
+            (n, i) for i, (n, _v) in enumerate(first.extra)]:
+        if index is None:
+            values = [getattr(d.args, name) for d in described]
+        else:
+            values = [d.args.extra[index][1] for d in described]
+        if any(v != values[0] for v in values):
+            listing = ", ".join(f"rank {ctx.ranks[r]}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"{what}: {name} differs between ranks ({listing}); every rank "
+                             f"must pass the same {name}")
+
+
 def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup | None,
-            make_sink: Callable[[list[Entry]], Any], chunk_bytes: int | None, what: str,
-            hub_keys: bool = True) -> tuple[Any, nn.Module | None]:
-    """The rounds of the module docstring; returns (dst's committed-to-be sink, the model)."""
-    state, model = resolve_state(model_or_state)
-    chunk = EXPORT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
-    if chunk <= 0:
-        raise ValueError(f"{what}: chunk_bytes must be positive, got {chunk_bytes}")
+            make_sink: Callable[[list[Entry], nn.Module | None], Any],
+            chunk_bytes: int | None, what: str, hub_keys: bool = True,
+            extra_args: tuple[tuple[str, Any], ...] = (), commit: bool = False,
+            check: Callable[[], Any] | None = None) -> tuple[Any, nn.Module | None]:
+    """The rounds of the module docstring; returns (dst's sink, the model).
 
-    recorded = recorded_plan(model) if model is not None else None
-    plan_tuple = None if recorded is None else astuple(recorded)
+    ``make_sink(entries, model)`` runs on dst in the preparing round (its failure is
+    agreed). With ``commit``, dst commits the sink in a last round that every rank joins,
+    so that no rank returns before the checkpoint is in place and a failed commit is raised
+    on every rank. ``check()`` validates the caller's own arguments (``extra_args``) on every
+    rank, inside the metadata round.
+    """
 
-    def plan(described: list[Described], dst_rank: int, ranks: list[int],
-             keep: int | None = None) -> list[Entry]:
+    def resolve_chunk() -> int:
+        chunk = EXPORT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise ValueError(f"{what}: chunk_bytes must be a positive int (bytes per "
+                             f"transport message), got {chunk_bytes!r}")
+        return chunk
+
+    def plan(described: list[Described], model: nn.Module | None, dst_rank: int,
+             ranks: list[int], keep: int | None = None) -> list[Entry]:
         holdings = merge_holdings(described, ranks, dst_rank,
                                   agree_plan([d.plan for d in described], ranks))
         written = None
@@ -1241,49 +1520,82 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()})
         return plan_entries(holdings, written, dst_rank, ranks, keep)
 
+    def describe(held: dict[str, Any]) -> Described:
+        chunk = resolve_chunk()
+        if check is not None:
+            check()
+        # Inside the agreed round: a state_dict() hook that raises on one rank is raised
+        # on every rank, not by that rank alone.
+        state, model = resolve_state(model_or_state)
+        recorded = recorded_plan(model) if model is not None else None
+        described = describe_state(state, None if recorded is None else astuple(recorded))
+        described.args = _Args(dst, chunk, extra_args)
+        held.update(state=state, model=model, chunk=chunk)
+        return described
+
     if not runtime.is_initialized():
-        entries = plan([describe_state(state, plan_tuple)], 0, [0])
-        sink = make_sink(entries)
-        pinned = None
+        _require_group_if_launched(what)
+        if dst != 0:
+            raise ValueError(f"{what}: dst={dst}, but there is no process group: the one "
+                             "process is rank 0 (pass dst=0, or set the group up first)")
+        held: dict[str, Any] = {}
+        described = describe(held)
+        state, model = held["state"], held["model"]
+        entries = plan([described], model, 0, [0])
+        sink = make_sink(entries, model)
+        prepared = None
         try:
-            items = [(e, p) for e in entries for p in e.pieces]
-            pinned = _PinnedSlots(1, chunk) if _needs_pinned(state, items) else None
-            _write_own(state, sink, items, chunk, pinned)
+            prepared = _prepare_transfer(state, entries, None, 0, held["chunk"])
+            _write_own(prepared.stager, sink, prepared.messages)
+            if commit:
+                sink.commit()
         except BaseException:
             sink.abort()
             raise
         finally:
-            if pinned is not None:
-                pinned.release()
+            if prepared is not None:
+                prepared.release()
         return sink, model
     ctx = _agree.resolve_group(group, what)
-    dst_rank = ctx.group_rank_of(dst)
-    if dst_rank is None:
-        raise ValueError(f"{what}: dst={dst} is not a member of the group (global ranks "
-                         f"{ctx.ranks})")
     with _watch.DeferredInterrupts() as deferred:
-        described = all_reduce(f"{what}: metadata",
-                               lambda: describe_state(state, plan_tuple), list, group)
+        held = {}
+        described = all_reduce(f"{what}: metadata", lambda: describe(held), list, group)
         # From here on every rank computes the same from the same metadata: an error below is
         # raised by every rank alike.
+        _check_args(described, ctx, what)
+        dst_rank = ctx.group_rank_of(dst)
+        if dst_rank is None:
+            raise ValueError(f"{what}: dst={dst} is not a member of the group (global ranks "
+                             f"{ctx.ranks}); pass the global rank of one of them")
+        state, model, chunk = held["state"], held["model"], held["chunk"]
         # A sender makes only its own pieces; dst all of them (it lays out the files).
-        entries = plan(described, dst_rank, ctx.ranks,
+        entries = plan(described, model, dst_rank, ctx.ranks,
                        None if ctx.rank == dst_rank else ctx.rank)
         sink = None
+        prepared = None
         try:
             interrupted = deferred.take()  # one that landed in the metadata round fails here
             if interrupted is not None:
                 raise interrupted
             if ctx.rank == dst_rank:
-                sink = make_sink(entries)
-            prepared = _agree.Status()
+                sink = make_sink(entries, model)
+            prepared = _prepare_transfer(state, entries, ctx, dst_rank, chunk)
+            status = _agree.Status()
         except BaseException as exc:  # noqa: BLE001 - carried to every rank
-            prepared = _agree.Status.failed(exc)
-        _agree.raise_first_failure(f"{what} (preparing)", _agree.exchange(prepared, ctx, what),
-                                   ctx, prepared)
+            status = _agree.Status.failed(exc)
+        try:
+            _agree.raise_first_failure(f"{what} (preparing)",
+                                       _agree.exchange(status, ctx, what), ctx, status)
+        except BaseException:
+            if prepared is not None:
+                prepared.release()
+            if sink is not None:
+                sink.abort()
+            raise
+        assert prepared is not None
         failure: BaseException | None = None
         try:
-            _transfer(state, entries, sink, ctx, dst_rank, chunk, what)
+            _transfer(state, prepared, sink, ctx, dst_rank, what)
         except _watch.PeerFailure as exc:
             if sink is not None:
                 sink.abort()
@@ -1291,15 +1603,47 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         except BaseException as exc:  # noqa: BLE001 - a full disk on dst: agreed below
             failure = exc
         failure = failure or deferred.take()
-        final = _agree.Status() if failure is None else _agree.Status.failed(failure)
+        status = _agree.Status() if failure is None else _agree.Status.failed(failure)
         try:
-            _agree.raise_first_failure(f"{what} (transfer)", _agree.exchange(final, ctx, what),
-                                       ctx, final)
+            _agree.raise_first_failure(f"{what} (transfer)", _agree.exchange(status, ctx, what),
+                                       ctx, status)
         except BaseException:
             if sink is not None:
                 sink.abort()
             raise
+        if commit:
+            _commit_round(sink, ctx, deferred, what)
     return sink, model
+
+
+def _commit_round(sink: Any, ctx: _agree.GroupContext,
+                  deferred: _watch.DeferredInterrupts, what: str) -> None:
+    """dst publishes the checkpoint; every rank then learns whether it did (a failed commit
+    -- a config that does not serialize, an fsync or rename error, Ctrl-C -- raises on every
+    rank, naming dst's error; the directory then holds the earlier checkpoint)."""
+    committed = False
+    try:
+        if sink is not None:
+            interrupted = deferred.take()
+            if interrupted is not None:
+                raise interrupted  # before anything is published: nothing changes
+            sink.commit()
+            committed = True
+        status = _agree.Status()
+    except BaseException as exc:  # noqa: BLE001 - carried to every rank
+        if sink is not None and not committed:
+            sink.abort()
+        status = _agree.Status.failed(exc)
+    try:
+        statuses = _agree.exchange(status, ctx, what)
+    except RuntimeError as exc:
+        if committed:
+            # A peer died after the data had all arrived: the checkpoint is complete and in
+            # place; the group, though, is unusable.
+            raise RuntimeError(f"{exc} (the checkpoint itself is complete: it was published "
+                               "before the failure)") from exc
+        raise
+    _agree.raise_first_failure(f"{what} (commit)", statuses, ctx, status)
 
 
 def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.PathLike[str],
@@ -1373,18 +1717,16 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
         chunk_bytes: Transport piece size (default 16 MiB).
     """
     what = "export_hf_checkpoint"
-    max_shard = parse_shard_size(max_shard_size)
     path = os.fspath(directory)
 
-    def make_sink(entries: list[Entry]) -> FileSink:
-        return FileSink(path, layout_files(entries, max_shard))
+    def make_sink(entries: list[Entry], model: nn.Module | None) -> FileSink:
+        return FileSink(path, layout_files(entries, parse_shard_size(max_shard_size)), model)
 
+    # Checked on every rank and agreed in the metadata round, with dst and chunk_bytes.
+    extra = (("max_shard_size", max_shard_size), ("directory", path))
     with _cyclic_gc_paused():
-        sink, model = _export(model_or_state, dst, group, make_sink, chunk_bytes, what)
-    if sink is not None:
-        sink.commit(model)
-    if runtime.is_initialized():
-        runtime.barrier(group)  # the checkpoint is in place before any rank returns
+        _export(model_or_state, dst, group, make_sink, chunk_bytes, what,
+                extra_args=extra, commit=True, check=lambda: parse_shard_size(max_shard_size))
 
 
 def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,

@@ -530,9 +530,9 @@ def _peak_during_export(out, nbytes):
     written = []
     real_commit = E.FileSink.commit
 
-    def commit(self, model):
-        written.append((self.direct_bytes, self.total, self.files[0].direct_fd is not None))
-        real_commit(self, model)
+    def commit(self):
+        written.append((self.direct_bytes, self.total, self.files[0].direct_capable))
+        real_commit(self)
 
     E.FileSink.commit = commit
 
