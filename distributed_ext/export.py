@@ -74,6 +74,8 @@ for _name, _code in (("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8
 _DTYPE_BY_NAME = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
 
 EXPORT_CHUNK_BYTES = 16 * 2**20
+# The largest header safetensors' reader takes (its MAX_HEADER_SIZE).
+MAX_HEADER_BYTES = 100_000_000
 # Runs shorter than this are written in one native call per file and message (a direct write
 # of them would gain nothing: at most a block or two of them is aligned).
 SMALL_RUN = 64 * 2**10
@@ -233,6 +235,11 @@ def describe_state(state: dict[str, Any], plan: tuple | None = None) -> Describe
         if t.dtype not in SAFETENSORS_DTYPES:
             raise TypeError(f"state[{key!r}] has dtype {t.dtype}, which safetensors cannot "
                             "store; convert it with .to(...) first")
+        local = _local(t)
+        if local.is_conj() or local.is_neg():
+            raise ValueError(f"state[{key!r}] is a lazily {'conjugated' if local.is_conj() else 'negated'} "
+                             "view: its memory holds other values than it reads as; call "
+                             ".resolve_conj() / .resolve_neg() on it first")
         if dtensor is not None and isinstance(t, dtensor):
             spec = t._spec
             mesh = spec.mesh
@@ -247,7 +254,7 @@ def describe_state(state: dict[str, Any], plan: tuple | None = None) -> Describe
                 got = sigs[cache_key] = (len(table), expected)
                 table.append(sig)
             index, expected = got
-            local_shape = _local(t).shape
+            local_shape = local.shape
             if expected is not None and local_shape != expected:
                 raise ValueError(f"state[{key!r}]: its local shard has shape "
                                  f"{tuple(local_shape)}, but its placements say {expected}")
@@ -473,6 +480,7 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
         covered = 0
         for part in w.parts:
             holding = holdings[part.source]
+            _distinct_blocks(part.source, holding, distinct)  # they tile it exactly
             if _is_whole(part, holding.sig.shape):
                 covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load,
                                       keep)
@@ -501,24 +509,8 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
                keep: int | None = None) -> int:
     """Adds the pieces of a written tensor that is in-memory tensor ``source`` as it is (one
     per distinct block; ``keep``: only that rank's); returns the elements they cover."""
-    got = distinct.get(id(holding.blocks))
-    if got is None:
-        groups: dict[Block, list[int]] = {}
-        for r, held in holding.blocks:
-            if held.numel:
-                groups.setdefault(held, []).append(r)
-        # No replica among the blocks (FSDP2): each block's sender is its one owner, fixed
-        # for every key of the signature, and what each rank sends is a constant per key.
-        fixed = None
-        if all(len(owners) == 1 for owners in groups.values()):
-            fixed = [(owners[0], wb) for wb, owners in groups.items()]
-        covered = sum(wb.numel for wb in groups)
-        # [blocks and owners, fixed senders, elements covered, runs of the fixed blocks
-        # (computed at the first key), the list itself (kept with its id, so that the id
-        # is not reused)]
-        got = distinct[id(holding.blocks)] = [list(groups.items()), fixed, covered, None,
-                                              holding.blocks]
-    groups_list, fixed, covered, runs, _blocks = got
+    got = _distinct_blocks(entry.key, holding, distinct)
+    groups_list, fixed, covered, runs, _blocks, _exact = got
     itemsize = entry.dtype.itemsize
     key = entry.key
     if fixed is not None:
@@ -538,6 +530,80 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
         if keep is None or sender == keep:
             entry.pieces.append(Piece(key, sender, wb, source))
     return covered
+
+
+def _distinct_blocks(key: str, holding: Holding, distinct: dict[int, list]) -> list:
+    """A holding's distinct non-empty blocks and their owners (replicas grouped), computed
+    once per list of blocks (every key of a signature shares one); ValueError naming ``key``
+    unless they tile the tensor exactly -- every element in exactly one distinct block."""
+    got = distinct.get(id(holding.blocks))
+    if got is None:
+        groups: dict[Block, list[int]] = {}
+        for r, held in holding.blocks:
+            if held.numel:
+                groups.setdefault(held, []).append(r)
+        # No replica among the blocks (FSDP2): each block's sender is its one owner, fixed
+        # for every key of the signature, and what each rank sends is a constant per key.
+        fixed = None
+        if all(len(owners) == 1 for owners in groups.values()):
+            fixed = [(owners[0], wb) for wb, owners in groups.items()]
+        covered = sum(wb.numel for wb in groups)
+        exact = _tiles_exactly(list(groups), holding.sig.shape)
+        # [blocks and owners, fixed senders, elements covered, runs of the fixed blocks
+        # (computed at the first key), the list itself (kept with its id, so that the id
+        # is not reused), whether they tile the tensor]
+        got = distinct[id(holding.blocks)] = [list(groups.items()), fixed, covered, None,
+                                              holding.blocks, exact]
+    if not got[5]:
+        listing = "; ".join(f"rank(s) {owners}: offset {b.offset} shape {b.shape}"
+                            for b, owners in got[0][:8])
+        raise ValueError(f"state[{key!r}]: the ranks' blocks of its {holding.sig.shape} "
+                         f"elements overlap or leave gaps ({listing}{'; ...' if len(got[0]) > 8 else ''}); "
+                         "every element must be held by exactly one block (or by identical "
+                         "replicas of it)")
+    return got
+
+
+def _tiles_exactly(blocks: list[Block], shape: tuple[int, ...]) -> bool:
+    """Whether distinct boxes tile a tensor of ``shape``: each inside it, pairwise disjoint,
+    their volumes summing to its volume. The layouts torch's placements make are grids (per
+    dim, intervals that partition the dim; every combination a block): checked in
+    O(blocks); anything else pairwise."""
+    if sum(b.numel for b in blocks) != math.prod(shape):
+        return False
+    if not shape:
+        return len(blocks) == 1
+    for b in blocks:
+        if any(o < 0 or o + n > d for o, n, d in zip(b.offset, b.shape, shape)):
+            return False
+    per_dim = [sorted({(b.offset[d], b.offset[d] + b.shape[d]) for b in blocks})
+               for d in range(len(shape))]
+    partitions = all(
+        iv[0][0] == 0 and iv[-1][1] == shape[d]
+        and all(a[1] == b[0] for a, b in zip(iv, iv[1:])) for d, iv in enumerate(per_dim))
+    if partitions and math.prod(len(iv) for iv in per_dim) == len(blocks):
+        return True  # distinct blocks, each a grid cell, as many as cells: the grid itself
+    for i, a in enumerate(blocks):
+        for b in blocks[i + 1:]:
+            if all(ao < bo + bn and bo < ao + an
+                   for ao, an, bo, bn in zip(a.offset, a.shape, b.offset, b.shape)):
+                return False
+    return True
+
+
+def check_keys(entries: list[Entry]) -> None:
+    """ValueError naming the first key a safetensors reader would reject: ``__metadata__``
+    (the header's own), or a string that is not valid UTF-8 (a lone surrogate)."""
+    for e in entries:
+        if e.key == "__metadata__":
+            raise ValueError("state['__metadata__']: safetensors reserves this key for the "
+                             "file's metadata; rename the tensor")
+        try:
+            e.key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"state[{e.key!r}]: the key is not valid UTF-8 ({exc.reason} at "
+                             f"{exc.start}), which safetensors readers reject; rename the "
+                             "tensor") from None
 
 
 def _check_covered(entry: Entry, covered: int) -> None:
@@ -687,6 +753,10 @@ def safetensors_header(entries: list[Entry]) -> tuple[bytes, dict[str, int]]:
         pos += e.nbytes
     raw = json.dumps(meta, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"a file's safetensors header would be {len(raw)} bytes for "
+                         f"{len(entries)} tensors, over the {MAX_HEADER_BYTES} bytes safetensors "
+                         "readers accept; pass a smaller max_shard_size (fewer tensors per file)")
     head = len(raw).to_bytes(8, "little") + raw
     return head, {k: v + len(head) for k, v in offsets.items()}
 
@@ -795,6 +865,7 @@ class FileSink:
             os.makedirs(self.directory, exist_ok=True)
             self.stage = os.path.join(self.directory, f"{_STAGE_TAG}{token}")
         os.mkdir(self.stage)
+        self.published = False
         n = len(files)
         self.names = [WEIGHTS_NAME] if n == 1 else [
             f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -889,9 +960,10 @@ class FileSink:
             self._open.clear()
 
     def abort(self) -> None:
-        """Removes the stage; the directory is as it was."""
+        """Removes the stage; the directory is as it was (unless already published)."""
         self.close()
-        _remove(self.stage)
+        if not self.published:
+            _remove(self.stage)
 
     def commit(self) -> None:
         """Makes the stage durable and publishes it (see the class docstring)."""
@@ -921,6 +993,7 @@ class FileSink:
         parent = os.path.dirname(self.directory)
         if not os.path.lexists(self.directory):
             os.rename(self.stage, self.directory)  # nothing was there: one atomic rename
+            self.published = True
             _fsync_path(parent, directory=True)
             return True
         carried = []
@@ -932,15 +1005,19 @@ class FileSink:
             for name in carried:
                 _remove(os.path.join(self.stage, name))
             return False
-        _fsync_path(parent, directory=True)
-        # The stage path now holds the earlier directory. Anything written into it since the
-        # links were made moves over; the rest (the earlier checkpoint) goes.
-        for name in os.listdir(self.stage):
-            if not self._replaced(name) and not os.path.lexists(
-                    os.path.join(self.directory, name)):
-                with contextlib.suppress(OSError):
-                    os.rename(os.path.join(self.stage, name), os.path.join(self.directory, name))
+        # Published. The stage path now holds the earlier directory: anything written into
+        # it since the links were made moves over, the rest (the earlier checkpoint) goes.
+        # Best effort from here: a failure to tidy up is not a failed export.
+        with contextlib.suppress(OSError):
+            _fsync_path(parent, directory=True)
+            for name in os.listdir(self.stage):
+                if not self._replaced(name) and not os.path.lexists(
+                        os.path.join(self.directory, name)):
+                    with contextlib.suppress(OSError):
+                        os.rename(os.path.join(self.stage, name),
+                                  os.path.join(self.directory, name))
         _remove(self.stage)
+        self.published = True  # nothing of ours is left to abort
         return True
 
     def _publish_in_place(self, published: list[str]) -> None:
@@ -960,6 +1037,7 @@ class FileSink:
             if _SHARD_RE.match(name) and name not in published:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(target(name))
+        self.published = True
         _remove(self.stage)
 
 
@@ -1518,7 +1596,9 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         if hub_keys and model is not None:
             written = _keys.resolve_written(model, {
                 k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()})
-        return plan_entries(holdings, written, dst_rank, ranks, keep)
+        entries = plan_entries(holdings, written, dst_rank, ranks, keep)
+        check_keys(entries)
+        return entries
 
     def describe(held: dict[str, Any]) -> Described:
         chunk = resolve_chunk()
@@ -1629,6 +1709,9 @@ def _commit_round(sink: Any, ctx: _agree.GroupContext,
                 raise interrupted  # before anything is published: nothing changes
             sink.commit()
             committed = True
+            late = deferred.take()  # a Ctrl-C during the commit: carried, like any failure
+            if late is not None:
+                raise late
         status = _agree.Status()
     except BaseException as exc:  # noqa: BLE001 - carried to every rank
         if sink is not None and not committed:
@@ -1701,12 +1784,18 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     whose shards are on the host under NCCL; no rank gathers a full parameter on its GPU.
     Pinned memory: at most three chunks (leased from the package's one pinned pool).
 
-    Failure: a bad entry (a ``Partial`` DTensor, a dtype safetensors cannot store, ranks that
-    disagree on a key's dtype or shape) raises on every rank before any byte moves; a failure
-    during the transfer (a full disk, a dead peer, Ctrl-C) makes every rank raise. Files are
-    written under temporary names in ``directory`` and renamed into place only when every
-    byte has landed, so no partial or mixed checkpoint is ever visible; stale shards of an
-    earlier checkpoint there are removed on success, as ``save_pretrained`` does.
+    Failure: arguments that differ between ranks, a bad entry (a ``Partial`` or
+    ``_StridedShard`` DTensor, a dtype or key safetensors cannot store, ranks that disagree on
+    a key's dtype or shape, blocks that do not tile a tensor exactly), a ``state_dict()`` that
+    raises, an allocation or a ``config`` that does not serialize raise on every rank before
+    any byte moves; a failure during the transfer (a full disk, a dead peer, Ctrl-C) or the
+    commit (an fsync or rename error) makes every rank raise. Under a distributed launch with
+    no process group set up, RuntimeError. The checkpoint is built in a hidden sibling
+    directory and published whole (an atomic ``renameat2(RENAME_EXCHANGE)`` swap; elsewhere
+    an order that makes a partial state fail to load), so a crash at any instant leaves the
+    earlier checkpoint or the new one, never a mix; files of the directory that the
+    checkpoint does not replace are kept; stale shards are gone, as with ``save_pretrained``.
+    See ``docs/checkpoint.md``.
 
     Args:
         model_or_state: The (sharded) model, or a state dict, on every rank of ``group``.

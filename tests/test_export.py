@@ -746,3 +746,294 @@ def test_plan_messages_packs_small_pieces_and_never_plans_an_empty_message(sizes
         spans = [(s, n) for k, s, n in flat if k == key]
         assert [s for s, _n in spans] == list(itertools.accumulate(
             [0] + [n for _s, n in spans[:-1]]))
+
+
+# -- hostile conditions: every argument, allocation and the commit agreed; publishing atomic --
+
+
+def _state_of(r, n=4, numel=3000):
+    return {f"r{r}.w{i}": torch.full((numel,), float(10 * r + i)) for i in range(n)}
+
+
+def _export_with_args(out, per_rank):
+    import time
+
+    r = dist.get_rank()
+    kwargs = per_rank.get(r, {})
+    directory = kwargs.pop("directory", out)
+    start = time.monotonic()
+    try:
+        dx.export_hf_checkpoint(_state_of(r), directory, **kwargs)
+        return ("ok", time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", time.monotonic() - start, type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("name, per_rank", [
+    ("dst", {1: {"dst": 1}}),
+    ("chunk_bytes", {1: {"chunk_bytes": 4096}}),
+    ("max_shard_size", {0: {"max_shard_size": "10KB"}}),
+    ("directory", {1: {"directory": "/tmp/somewhere-else"}}),
+])
+def test_arguments_that_differ_between_ranks_are_refused_on_every_rank(name, per_rank, tmp_path):
+    out = tmp_path / "ckpt"
+    values = assert_all_ok(run_ranks(_export_with_args, 3, str(out), per_rank, pg_timeout=120))
+    for v in values:
+        assert v[0] == "raised" and v[2] == "ValueError", v
+        assert f"{name} differs between ranks" in v[3], v
+        assert v[1] < 20, v  # promptly: no rank waited for messages that never come
+    assert not out.exists()
+
+
+def _hook_raises_on_one_rank(out):
+    import transformers as tf
+
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
+    if dist.get_rank() == 1:
+        def hook(module, state_dict, prefix, local_metadata):
+            raise RuntimeError("a state-dict hook failed on this rank")
+
+        model._register_state_dict_hook(hook)
+    try:
+        dx.export_hf_checkpoint(model, out)
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc))
+
+
+def test_a_state_dict_hook_raising_on_one_rank_fails_every_rank(tmp_path):
+    values = assert_all_ok(run_ranks(_hook_raises_on_one_rank, 2, str(tmp_path / "c"),
+                                     pg_timeout=120, timeout=120))
+    assert values[1][:2] == ("raised", "RuntimeError") and "state-dict hook" in values[1][2]
+    assert values[0][0] == "raised" and "rank 1 failed with RuntimeError" in values[0][2], values
+    assert not (tmp_path / "c").exists()
+
+
+def _write_earlier(out):
+    """An earlier checkpoint of two shards and a tokenizer file the user keeps there."""
+    state = {f"old.w{i}": torch.full((3000,), -1.0 - i) for i in range(4)}
+    os.makedirs(out, exist_ok=True)
+    dx.export_hf_checkpoint(state, out, max_shard_size="20KB")
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        f.write("{}")
+
+
+def _snapshot(directory):
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def _failing_step(out, where):
+    r = dist.get_rank()
+    if r == 0:
+        if where == "allocation":
+            def fail(*args, **kwargs):
+                raise MemoryError("cannot allocate the receive buffers")
+
+            E._prepare_transfer = fail
+        elif where == "rename":
+            from distributed_ext import _native
+
+            def exchange(a, b):
+                raise OSError(5, "Input/output error", a)
+
+            _native.exchange_paths = exchange
+    state = _state_of(r)
+    model = None
+    if where == "config":
+        import transformers as tf
+
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
+        model.config.quantizer = object()  # what quantization tools attach: not JSON
+        state = model
+    try:
+        dx.export_hf_checkpoint(state, out, max_shard_size="20KB")
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("where, text", [
+    ("allocation", "cannot allocate the receive buffers"),
+    ("config", "model.config does not serialize to JSON"),
+    ("rename", "Input/output error"),
+])
+def test_a_failure_on_dst_before_or_in_the_commit_fails_every_rank_and_keeps_the_earlier(
+        where, text, tmp_path):
+    out = str(tmp_path / "ckpt")
+    _write_earlier(out)
+    before = _snapshot(out)
+    values = assert_all_ok(run_ranks(_failing_step, 3, out, where, pg_timeout=120, timeout=120))
+    assert values[0][0] == "raised" and text in values[0][2], values[0]
+    for v in values[1:]:
+        assert v[0] == "raised" and v[1] == "RuntimeError", v
+        assert "rank 0 failed with" in v[2] and text in v[2], v
+    assert _snapshot(out) == before  # the earlier checkpoint, byte for byte
+    assert not [n for n in os.listdir(tmp_path) if n != "ckpt"]  # no stage left
+
+
+def _killed_in_commit(out, when):
+    import signal
+
+    from distributed_ext import _native
+
+    r = dist.get_rank()
+    if r == 0:
+        real_exchange, real_replace = _native.exchange_paths, os.replace
+
+        def die():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if when == "before-swap":
+            _native.exchange_paths = lambda a, b: die()
+        elif when == "after-swap":
+            def exchange(a, b):
+                real_exchange(a, b)
+                die()
+
+            _native.exchange_paths = exchange
+        else:  # no swap on this filesystem: the ordered fallback, killed after one rename
+            _native.exchange_paths = lambda a, b: False
+            calls = []
+
+            def replace(a, b):
+                real_replace(a, b)
+                calls.append(1)
+                if len(calls) == 1:
+                    die()
+
+            E.os.replace = replace
+    try:
+        dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB")
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("when", ["before-swap", "after-swap", "fallback-mid-renames"])
+def test_dst_killed_in_the_commit_leaves_the_earlier_or_the_new_checkpoint_never_a_mix(
+        when, tmp_path):
+    out = str(tmp_path / "ckpt")
+    _write_earlier(out)
+    before = _snapshot(out)
+    res = run_ranks(_killed_in_commit, 2, out, when, pg_timeout=120, timeout=120)
+    assert res[0].exit_code == -9, res[0]
+    assert res[1].value[0] == "raised" and "rank 0" in res[1].value[2], res[1]
+    names = sorted(os.listdir(out))
+    if when == "before-swap":
+        assert _snapshot(out) == before
+    elif when == "after-swap":
+        # The new checkpoint, whole, and the file the user kept there.
+        index = json.load(open(os.path.join(out, E.INDEX_NAME)))
+        assert sorted(index["weight_map"]) == sorted(f"r{r}.w{i}" for r in range(2)
+                                                    for i in range(4))
+        got = _read_checkpoint(out)
+        for r in range(2):
+            for i in range(4):
+                assert torch.equal(got[f"r{r}.w{i}"], torch.full((3000,), float(10 * r + i)))
+        assert "tokenizer.json" in names
+    else:
+        # Partial: the entry points are gone, so no loader reads a mix (it fails loudly).
+        assert E.INDEX_NAME not in names and E.WEIGHTS_NAME not in names, names
+    # A later export removes what the killed one left (its stage) and publishes whole.
+    assert_all_ok(run_ranks(_export_with_args, 2, out, {}))
+    assert not [n for n in os.listdir(tmp_path) if n != "ckpt"], os.listdir(tmp_path)
+    assert "tokenizer.json" in os.listdir(out)
+    got = _read_checkpoint(out)
+    assert sorted(got) == sorted(f"r{r}.w{i}" for r in range(2) for i in range(4))
+
+
+def test_stale_temporary_files_of_a_crashed_export_are_removed(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    legacy = out / f".model.safetensors.{'a' * 32}.tmp"  # an older version's temp file
+    legacy.write_bytes(b"x" * 1000)
+    stage = tmp_path / ".ckpt.dext-export-0123"
+    stage.mkdir()
+    (stage / "model.safetensors").write_bytes(b"x" * 1000)
+    assert_all_ok(run_ranks(_export_with_args, 2, str(out), {}))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert sorted(os.listdir(out)) == [E.WEIGHTS_NAME]
+
+
+def _no_group_under_a_launch(out):
+    try:
+        dx.export_hf_checkpoint({"w": torch.ones(3)}, out)
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc))
+
+
+def test_a_launch_without_a_process_group_is_refused(tmp_path):
+    out = str(tmp_path / "ckpt")
+    values = assert_all_ok(run_ranks(_no_group_under_a_launch, 2, out, init=False,
+                                     env={"WORLD_SIZE": "2"}))
+    for v in values:
+        assert v[:2] == ("raised", "RuntimeError") and "process group is not set up" in v[2], v
+    assert not os.path.exists(out)
+
+
+def _many_files_few_descriptors(out, n):
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    r = dist.get_rank()
+    state = {f"r{r}.w{i:05d}": torch.full((1000,), float(i)) for i in range(n)}
+    dx.export_hf_checkpoint(state, out, max_shard_size=4500)  # one tensor per file
+    return True
+
+
+def test_thousands_of_shard_files_need_few_descriptors(tmp_path):
+    out = str(tmp_path / "ckpt")
+    n = 700  # per rank: 1400 files, each two descriptors while open, under a limit of 256
+    assert_all_ok(run_ranks(_many_files_few_descriptors, 2, out, n, timeout=300))
+    files = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert len(files) == 2 * n
+    index = json.load(open(os.path.join(out, E.INDEX_NAME)))
+    for key in ["r0.w00000", "r1.w00699", "r0.w00350"]:
+        with safetensors_torch.safe_open(os.path.join(out, index["weight_map"][key]), "pt") as f:
+            assert torch.equal(f.get_tensor(key), torch.full((1000,), float(int(key[-5:]))))
+
+
+def _bad_key(out, kind):
+    r = dist.get_rank()
+    state = {f"r{r}": torch.ones(3)}
+    if kind == "metadata":
+        state["__metadata__"] = torch.ones(2)
+    elif kind == "surrogate":
+        state["w\udc80"] = torch.ones(2)
+    else:  # a lazily conjugated view: its memory is not what it reads as
+        state["c"] = torch.ones(2, dtype=torch.complex64).mul(1 + 1j).conj()
+    try:
+        dx.export_hf_checkpoint(state, out)
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("kind, text", [
+    ("metadata", "reserves this key"),
+    ("surrogate", "not valid UTF-8"),
+    ("conj", "lazily conjugated view"),
+])
+def test_keys_and_views_safetensors_cannot_hold_are_refused_on_every_rank(kind, text, tmp_path):
+    out = tmp_path / "ckpt"
+    values = assert_all_ok(run_ranks(_bad_key, 2, str(out), kind))
+    for v in values:
+        assert v[0] == "raised" and text in v[2], v
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("blocks, shape, exact", [
+    ([((0,), (6,)), ((6,), (4,))], (10,), True),
+    ([((0,), (6,)), ((4,), (4,))], (10,), False),  # the counts add up (10), yet overlap
+    ([((0, 0), (2, 3)), ((2, 0), (2, 3)), ((0, 3), (4, 3))], (4, 6), True),  # not a grid
+    ([((0, 0), (2, 3)), ((1, 0), (2, 3)), ((0, 3), (4, 3))], (5, 6), False),
+    ([((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))], (4, 4), True),
+    ([((0,), (5,)), ((6,), (5,))], (10,), False),  # outside the tensor
+])
+def test_blocks_must_tile_the_tensor_exactly(blocks, shape, exact):
+    assert E._tiles_exactly([E.Block(o, s) for o, s in blocks], shape) is exact
