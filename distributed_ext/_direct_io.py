@@ -82,6 +82,7 @@ class DirectFile:
 
     def __init__(self, path: str, size: int) -> None:
         self.path = path
+        self.size = size
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         self.direct_fd: int | None = None
         self.direct_fd_usable = True

@@ -319,21 +319,21 @@ class Piece:
     source: str = ""
     local: tuple[slice, ...] | None = None
     perm: tuple[int, ...] | None = None
-    _runs: list[tuple[int, int]] | None = field(default=None, repr=False, compare=False)
+    _runs: Runs | None = field(default=None, repr=False, compare=False)
 
-    def runs(self, entry: Entry) -> list[tuple[int, int]]:
+    def runs(self, entry: Entry) -> Runs:
         """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once."""
         if self._runs is None:
             self._runs = _piece_runs(self.block, entry.shape, entry.dtype.itemsize)
         return self._runs
 
 
-def _piece_runs(b: Block, shape: tuple[int, ...], itemsize: int) -> list[tuple[int, int]]:
-    """A block's runs in a tensor of ``shape`` (read-only: shared between pieces)."""
+def _piece_runs(b: Block, shape: tuple[int, ...], itemsize: int) -> Runs:
+    """A block's runs in a tensor of ``shape`` (shared between pieces: immutable)."""
     if b.shape[1:] == shape[1:] and b.shape:
         # Whole rows (a Shard(0) block, a whole tensor): one run, nothing to search.
         row = b.numel // b.shape[0] * itemsize if b.shape[0] else 0
-        return [(b.offset[0] * row, b.numel * itemsize)]
+        return Runs(b.offset[0] * row, b.numel * itemsize)
     return _cached_runs(b, shape, itemsize)
 
 
@@ -676,36 +676,67 @@ def agree_plan(plans: list[tuple | None], ranks: list[int]) -> DistributionPlan 
     return DistributionPlan(*plans[0]) if plans[0] is not None else None
 
 
-def block_runs(block: Block, shape: tuple[int, ...], itemsize: int) -> list[tuple[int, int]]:
-    """``(byte offset in the full tensor, nbytes)`` of each contiguous run of ``block``, in
-    the block's own row-major order (the order its local bytes have)."""
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """The contiguous runs a block occupies in its full tensor, in the block's own row-major
+    order (the order its local bytes have), held as arithmetic, not as a list: run ``i``
+    (mixed radix over ``counts``) starts at byte ``base + sum(i_d * strides[d])`` and is
+    ``run`` bytes long. A Shard(1) block of an expert-TP tensor has hundreds of thousands of
+    runs; this is a few integers whatever their number."""
+
+    base: int
+    run: int
+    counts: tuple[int, ...] = ()
+    strides: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return math.prod(self.counts)
+
+    def start_of(self, i: int) -> int:
+        """Where run ``i`` starts in the full tensor (bytes)."""
+        offset = self.base
+        for count, stride in zip(reversed(self.counts), reversed(self.strides)):
+            i, k = divmod(i, count)
+            offset += k * stride
+        return offset
+
+    def pieces(self, start: int, n: int, at: int = 0) -> list[tuple[int, int, int]]:
+        """``(offset in the full tensor, offset in the message, nbytes)`` of the bytes
+        ``[start, start + n)`` of the block, which sit at ``at`` of a message."""
+        if not self.counts:
+            return [(self.base + start, at, n)]
+        out = []
+        i, skip = divmod(start, self.run)
+        while n > 0:
+            m = min(self.run - skip, n)
+            out.append((self.start_of(i) + skip, at, m))
+            at += m
+            n -= m
+            skip = 0
+            i += 1
+        return out
+
+
+def block_runs(block: Block, shape: tuple[int, ...], itemsize: int) -> Runs:
+    """The runs of ``block`` in a tensor of ``shape`` (see :class:`Runs`)."""
     ndim = len(shape)
     if ndim == 0:
-        return [(0, itemsize)]
+        return Runs(0, itemsize)
     # Dims after j are whole: one run spans block.shape[j] * prod(shape[j+1:]) elements.
     j = ndim - 1
     while j > 0 and block.shape[j] == shape[j] and block.offset[j] == 0:
         j -= 1
-    inner = math.prod(shape[j + 1:])
-    run = block.shape[j] * inner * itemsize
-    strides = [math.prod(shape[d + 1:]) for d in range(ndim)]
-    runs = []
-    outer = block.shape[:j]
-    for index in _indices(outer):
-        start = sum((block.offset[d] + index[d]) * strides[d] for d in range(j))
-        start += block.offset[j] * strides[j]
-        runs.append((start * itemsize, run))
-    return runs
+    strides = [math.prod(shape[d + 1:]) * itemsize for d in range(ndim)]
+    base = sum(block.offset[d] * strides[d] for d in range(j + 1))
+    run = block.shape[j] * strides[j]
+    # Outer dims of one index (a dim of size 1) add nothing: dropped, so a Shard(0) block
+    # or a whole tensor is one run with no arithmetic.
+    outer = [(block.shape[d], strides[d]) for d in range(j) if block.shape[d] != 1]
+    return Runs(base, run, tuple(c for c, _s in outer), tuple(s for _c, s in outer))
 
 
-_cached_runs = functools.lru_cache(maxsize=65536)(block_runs)
-
-
-def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = [()]
-    for n in shape:
-        out = [i + (k,) for i in out for k in range(n)]
-    return out
+# Blocks of one signature share their runs (a few integers each).
+_cached_runs = functools.lru_cache(maxsize=4096)(block_runs)
 
 
 # -- sinks: where dst puts the bytes ----------------------------------------------------------
@@ -770,6 +801,21 @@ _LEGACY_TMP_RE = re.compile(r"^\.(model.*\.safetensors|model\.safetensors\.index
 # Shard files a sink keeps open at once (each holds two descriptors); the rest are reopened
 # when written to, so 10,000 shards need no more than the common 1024-descriptor limit.
 OPEN_FILES = 32
+# Runs under SMALL_RUN (a Shard(1)/TP layout's rows, small tensors) are gathered into aligned
+# regions of the file and each region written direct once whole; at most ASSEMBLY_BYTES of
+# regions are held at once (the oldest then goes through the page cache).
+REGION_BYTES = 2**20
+ASSEMBLY_BYTES = 64 * 2**20
+
+
+@dataclass
+class _Region:
+    """An aligned region of a shard file being assembled from short runs."""
+
+    buf: torch.Tensor  # REGION_BYTES, aligned
+    size: int  # the file's bytes in this region
+    filled: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # (offset in it, nbytes)
 
 
 def _config_texts(model: nn.Module | None) -> dict[str, str]:
@@ -877,6 +923,12 @@ class FileSink:
         self._lock = threading.Lock()
         self._open: collections.OrderedDict[_direct_io.DirectFile, int] = \
             collections.OrderedDict()  # open files -> writers using each now
+        self._regions: collections.OrderedDict[tuple[Any, int], _Region] = \
+            collections.OrderedDict()  # (file, region index) -> being assembled, LRU last
+        self._spilled: set[tuple[Any, int]] = set()  # regions gone to the page cache
+        self._spare: list[torch.Tensor] = []  # region buffers to reuse
+        self._region_lock = threading.Lock()
+        self.heads: dict[Any, bytes] = {}
         try:
             for name, group in zip(self.names, files):
                 head, offsets = safetensors_header(group)
@@ -884,6 +936,7 @@ class FileSink:
                 file = _direct_io.DirectFile(os.path.join(self.stage, name), size)
                 self.files.append(file)
                 file.write(0, torch.frombuffer(bytearray(head), dtype=torch.uint8))
+                self.heads[file] = head  # the first region's assembly starts from it
                 file.close()  # reopened when written to: a bounded number open at once
                 for e in group:
                     self.where[e.key] = (file, offsets[e.key])
@@ -940,8 +993,89 @@ class FileSink:
                 with self._opened(file):
                     file.write(base + offset, data[at : at + n])
         for file, segments in small.items():
+            if file.direct_capable:
+                self._assemble(file, segments)
+            else:  # no direct writes here (tmpfs): one native call through the page cache
+                with self._opened(file):
+                    file.write_segments(segments)  # data is held by the caller meanwhile
+
+    def _assemble(self, file: _direct_io.DirectFile,
+                  segments: list[tuple[int, int, int]]) -> None:
+        """Copies short runs ``(src_ptr, file offset, nbytes)`` into their regions (one
+        native pass per region); a region complete is written direct, whole. Regions over
+        ``ASSEMBLY_BYTES`` are spilled, oldest first, through the page cache (a region
+        shared with long runs, which go direct by themselves, completes only at the end)."""
+        by_region: dict[int, list[tuple[int, int, int]]] = {}
+        for ptr, offset, n in segments:
+            while n > 0:
+                index, within = divmod(offset, REGION_BYTES)
+                m = min(n, REGION_BYTES - within)
+                by_region.setdefault(index, []).append((ptr, within, m))
+                ptr, offset, n = ptr + m, offset + m, n - m
+        through_cache: list[tuple[int, int, int]] = []
+        complete: list[tuple[int, _Region]] = []
+        with self._region_lock:
+            for index, rows in by_region.items():
+                key = (file, index)
+                if key in self._spilled:
+                    through_cache.extend((p, index * REGION_BYTES + w, m) for p, w, m in rows)
+                    continue
+                region = self._regions.get(key)
+                if region is None:
+                    region = self._regions[key] = self._new_region(file, index)
+                else:
+                    self._regions.move_to_end(key)
+                _native.pack_segments(region.buf, rows)  # the sources: held by the caller
+                region.filled += sum(m for _p, _w, m in rows)
+                region.ranges.extend((w, m) for _p, w, m in rows)
+                if region.filled >= region.size:
+                    del self._regions[key]
+                    complete.append((index, region))
+            evicted = []
+            while len(self._regions) * REGION_BYTES > ASSEMBLY_BYTES:
+                key, region = self._regions.popitem(last=False)
+                self._spilled.add(key)
+                evicted.append((key, region))
+        if through_cache:
             with self._opened(file):
-                file.write_segments(segments)  # data is held by the caller meanwhile
+                file.write_segments(through_cache)
+        for index, region in complete:
+            with self._opened(file):
+                file.write(index * REGION_BYTES, region.buf[: region.size])
+            self._release_region(region)
+        for (other, index), region in evicted:
+            self._spill(other, index, region)
+
+    def _new_region(self, file: _direct_io.DirectFile, index: int) -> _Region:
+        buf = self._spare.pop() if self._spare else _direct_io.aligned_empty(REGION_BYTES)
+        start = index * REGION_BYTES
+        region = _Region(buf, min(REGION_BYTES, file.size - start))
+        head = self.heads[file]
+        if start < len(head):  # the header's bytes (already in the file) complete it too
+            part = head[start : start + REGION_BYTES]
+            buf[: len(part)].copy_(torch.frombuffer(bytearray(part), dtype=torch.uint8))
+            region.filled = len(part)
+            region.ranges.append((0, len(part)))
+        return region
+
+    def _release_region(self, region: _Region) -> None:
+        with self._region_lock:
+            if len(self._spare) < 4:
+                self._spare.append(region.buf)
+
+    def _spill(self, file: _direct_io.DirectFile, index: int, region: _Region) -> None:
+        """Writes what a region holds through the page cache (it will not be written direct)."""
+        ptr, start = region.buf.data_ptr(), index * REGION_BYTES
+        with self._opened(file):
+            file.write_segments([(ptr + w, start + w, m) for w, m in region.ranges])
+        self._release_region(region)
+
+    def _flush_regions(self) -> None:
+        """Writes every region still being assembled (each shares bytes with long runs)."""
+        with self._region_lock:
+            left, self._regions = list(self._regions.items()), collections.OrderedDict()
+        for (file, index), region in left:
+            self._spill(file, index, region)
 
     def address_shift(self, key: str, offset: int) -> int:
         """Where a receive buffer for bytes at ``offset`` of ``key`` should start (mod
@@ -967,6 +1101,7 @@ class FileSink:
 
     def commit(self) -> None:
         """Makes the stage durable and publishes it (see the class docstring)."""
+        self._flush_regions()
         self.close()
         for file in self.files:
             _fsync_path(file.path)
@@ -1107,21 +1242,16 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def _rows(message: list[Segment], at: int = 0) -> list[tuple[str, int, int, int]]:
     """Where a message's bytes go: ``(key, offset in the written tensor, offset in the
     message, nbytes)`` for each contiguous run (one per segment, mostly); ``at``: where the
-    first segment starts in the message."""
+    first segment starts in the message. Computed per message from each piece's
+    :class:`Runs`: at most a message's worth of rows exists at a time."""
     rows = []
     for e, p, start, n in message:
         runs = p.runs(e)
-        if len(runs) == 1:  # most pieces: one run, no search
-            rows.append((e.key, runs[0][0] + start, at, n))
+        if not runs.counts:  # most pieces: one run, no search
+            rows.append((e.key, runs.base + start, at, n))
         else:
-            cursor, end = 0, start + n
-            for offset, m in runs:
-                lo, hi = max(start, cursor), min(end, cursor + m)
-                if lo < hi:
-                    rows.append((e.key, offset + (lo - cursor), at + lo - start, hi - lo))
-                cursor += m
-                if cursor >= end:
-                    break
+            key = e.key
+            rows.extend((key, offset, a, m) for offset, a, m in runs.pieces(start, n, at))
         at += n
     return rows
 
@@ -1152,7 +1282,7 @@ def _placement(sink: Any, message: list[Segment]) -> int:
     offset's of its first byte, where that starts a run), else 0."""
     e, p, start, _n = message[0]
     runs = p.runs(e)
-    return sink.address_shift(e.key, runs[0][0] + start) if len(runs) == 1 else 0
+    return sink.address_shift(e.key, runs.base + start) if not runs.counts else 0
 
 
 def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]) -> bool:
@@ -1762,11 +1892,14 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two
     transport chunks per sender (``chunk_bytes``, default 16 MiB), two 8 MiB bounce buffers
-    for direct writes, three 1 MiB slots where its own small tensors are packed, and metadata
-    (a few hundred bytes per tensor); its large blocks are written from its own tensors.
-    The files bypass the page cache (``O_DIRECT``) where the filesystem allows, so the
-    checkpoint takes no kernel memory either, and is on the disk when the call returns
-    (elsewhere the page cache holds it until ``fsync``, before the rename). A sender holds
+    for direct writes, three 1 MiB slots where its own small tensors are packed, up to 64 MiB
+    of 1 MiB file regions being assembled from short runs (small tensors, the rows of a
+    ``Shard(1)``/TP layout), and metadata (a few hundred bytes per tensor; a block's runs are
+    arithmetic, never a list); its large blocks are written from its own tensors. The files
+    bypass the page cache (``O_DIRECT``) where the filesystem allows -- short runs too, once
+    their region is whole -- so the checkpoint takes no kernel memory either, and is on the
+    disk when the call returns (elsewhere the page cache holds it until ``fsync``, before
+    publishing). A sender holds
     its shards, three 1 MiB slots where its small pieces are packed, and at most one
     contiguous copy of one piece at a time where a piece is not contiguous in its shard (a
     transposed or column block), on the piece's own device.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 
 import pytest
@@ -1037,3 +1038,175 @@ def test_keys_and_views_safetensors_cannot_hold_are_refused_on_every_rank(kind, 
 ])
 def test_blocks_must_tile_the_tensor_exactly(blocks, shape, exact):
     assert E._tiles_exactly([E.Block(o, s) for o, s in blocks], shape) is exact
+
+
+def test_runs_are_arithmetic_and_every_segment_maps_to_the_right_bytes():
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    for _ in range(200):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        offset = tuple(rng.randint(0, s - 1) for s in shape)
+        size = tuple(rng.randint(1, s - o) for s, o in zip(shape, offset))
+        itemsize = rng.choice([1, 2, 4])
+        block = E.Block(offset, size)
+        runs = E.block_runs(block, shape, itemsize)
+        # The reference: the block's elements in its row-major order, by torch's indexing.
+        want = torch.arange(math.prod(shape)).reshape(shape)[
+            tuple(slice(o, o + n) for o, n in zip(offset, size))].reshape(-1)
+        nbytes = block.numel * itemsize
+        cuts = sorted(rng.sample(range(1, nbytes), min(3, nbytes - 1))) + [nbytes]
+        seen, start = [], 0
+        for cut in cuts:  # as messages split it
+            for where, at, m in runs.pieces(start, cut - start, start):
+                seen += [(at + k, where + k) for k in range(m)]
+            start = cut
+        assert sorted(a for a, _w in seen) == list(range(nbytes))
+        for at, where in seen:
+            assert where // itemsize == want[at // itemsize] and where % itemsize == at % itemsize
+    # An expert-TP block of 65536 runs is a few integers, not a list of them.
+    tracemalloc.start()
+    runs = E.block_runs(E.Block((0, 0, 512), (64, 1024, 512)), (64, 1024, 2048), 2)
+    _current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(runs) == 65536 and peak < 16 * 1024, peak
+
+
+def _short_runs_export(out):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(0)
+    # Shard(1) of 2048 columns over 4 ranks: every row's run is 2 KiB (under a 4 KiB block).
+    state = {f"w{i}": distribute_tensor(torch.randn(2048, 2048, generator=g), mesh, [Shard(1)])
+             for i in range(4)}
+    written = []
+    real_commit = E.FileSink.commit
+
+    def commit(self):
+        real_commit(self)
+        written.append((self.direct_bytes, self.total, self.files[0].direct_capable))
+
+    E.FileSink.commit = commit
+    dx.export_hf_checkpoint(state, out)
+    return written, {k: v.full_tensor() for k, v in state.items()}
+
+
+def test_short_runs_of_a_shard1_layout_are_assembled_and_written_direct(tmp_path):
+    out = str(tmp_path / "ckpt")
+    values = assert_all_ok(run_ranks(_short_runs_export, 4, out, timeout=240))
+    ((direct, total, can),), full = values[0]
+    assert direct > 0.99 * total if can else direct == 0, (direct, total, can)
+    got = safetensors_torch.load_file(os.path.join(out, E.WEIGHTS_NAME))
+    for key, tensor in full.items():
+        assert torch.equal(got[key], tensor), key
+
+
+def _interrupted_on_dst(out, where):
+    import signal
+
+    r = dist.get_rank()
+    if r == 0:
+        def interrupt():
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: lands in dst's main thread
+
+        if where == "transfer":
+            real_write, calls = E.FileSink.write_batch, []
+
+            def write(self, data, rows):
+                calls.append(1)
+                if len(calls) == 2:
+                    interrupt()
+                real_write(self, data, rows)
+
+            E.FileSink.write_batch = write
+        elif where == "commit-start":
+            real_commit, calls = E.FileSink.commit, []
+
+            def commit(self):
+                calls.append(1)
+                if len(calls) == 1:
+                    interrupt()
+                real_commit(self)
+
+            E.FileSink.commit = commit
+        else:  # in the commit's fsyncs
+            real_fsync, calls = E._fsync_path, []
+
+            def fsync(path, directory=False):
+                calls.append(1)
+                if len(calls) == 1:
+                    interrupt()
+                real_fsync(path, directory)
+
+            E._fsync_path = fsync
+    outcomes = []
+    for i in range(3):  # the group stays in step: the same round on every rank each time
+        try:
+            dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB")
+            outcome = ("ok",)
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt included
+            outcome = ("raised", type(exc).__name__, str(exc))
+        outcomes.append((outcome, dx.all_reduce(f"after {i}", lambda: 1, sum),
+                         _snapshot(out) if r == 0 and i == 0 else None))
+    return outcomes
+
+
+@pytest.mark.parametrize("where", ["transfer", "commit-start", "commit-fsync"])
+def test_ctrl_c_on_dst_in_the_transfer_or_the_commit_fails_every_rank_alike(where, tmp_path):
+    out = str(tmp_path / "ckpt")
+    _write_earlier(out)
+    before = _snapshot(out)
+    values = assert_all_ok(run_ranks(_interrupted_on_dst, 3, out, where, pg_timeout=120,
+                                     timeout=120))
+    for r, outcomes in enumerate(values):
+        for i, (outcome, after, _snap) in enumerate(outcomes):
+            assert after == 3, (r, i, after)  # every rank joined the next collective
+            if i > 0:
+                assert outcome == ("ok",), (r, i, outcome)  # the patch fires once
+            elif r == 0:
+                assert outcome[:2] == ("raised", "KeyboardInterrupt"), outcome
+            else:
+                assert outcome[:2] == ("raised", "RuntimeError"), outcome
+                assert "rank 0 failed with KeyboardInterrupt" in outcome[2], outcome
+    after_first = values[0][0][2]
+    if where != "transfer":  # in the commit: deferred until it ended, published, then raised
+        index = json.loads(after_first[E.INDEX_NAME])
+        assert sorted(index["weight_map"]) == sorted(f"r{r}.w{i}" for r in range(3)
+                                                    for i in range(4))
+        assert "tokenizer.json" in after_first
+    else:  # interrupted before publishing: the earlier checkpoint, byte for byte
+        assert after_first == before
+    got = _read_checkpoint(out)
+    assert sorted(got) == sorted(f"r{r}.w{i}" for r in range(3) for i in range(4))
+
+
+def _peer_dies_after_the_data(out):
+    import signal
+
+    r = dist.get_rank()
+    if r == 1:
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        E._commit_round = die  # every byte has arrived; rank 1 dies before the commit round
+    try:
+        dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB")
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc))
+
+
+def test_a_peer_dying_after_the_data_is_named_and_the_checkpoint_is_complete(tmp_path):
+    out = str(tmp_path / "ckpt")
+    res = run_ranks(_peer_dies_after_the_data, 3, out, pg_timeout=120, timeout=120)
+    assert res[1].exit_code == -9
+    for r in (0, 2):
+        outcome = res[r].value
+        assert outcome[:2] == ("raised", "RuntimeError") and "rank 1 died" in outcome[2], outcome
+    assert "the checkpoint itself is complete" in res[0].value[2]
+    got = _read_checkpoint(out)
+    for r in range(3):
+        for i in range(4):
+            assert torch.equal(got[f"r{r}.w{i}"], torch.full((3000,), float(10 * r + i)))
