@@ -193,14 +193,20 @@ def run_local(
                                       capture_output, stop_on_sigint))
                 p.start()
                 procs.append(p)
-            if on_start is not None:
-                on_start([p.pid for p in procs])
-            deadline = time.monotonic() + timeout
-            while any(p.is_alive() for p in procs):
-                if interrupted.is_set() or time.monotonic() > deadline:
-                    break
-                sentinels = [p.sentinel for p in procs if p.is_alive()]
-                multiprocessing.connection.wait(sentinels, timeout=0.1)
+            try:
+                if on_start is not None:
+                    on_start([p.pid for p in procs])
+                deadline = time.monotonic() + timeout
+                while any(p.is_alive() for p in procs):
+                    if interrupted.is_set() or time.monotonic() > deadline:
+                        break
+                    sentinels = [p.sentinel for p in procs if p.is_alive()]
+                    multiprocessing.connection.wait(sentinels, timeout=0.1)
+            except BaseException:
+                # Leaving early (SIGTERM turned SystemExit, Ctrl-C): no rank outlives us, and
+                # none is left writing into the directory about to be removed.
+                _kill(procs)
+                raise
             alive = {r for r, p in enumerate(procs) if p.is_alive()}
             _kill(procs)
             return [_collect(r, p, tmpdir, r in alive and not interrupted.is_set(),

@@ -38,11 +38,17 @@ from distributed_ext._timing import Timing, time_calls
 
 WORKLOADS = ("bytes", "state-dict", "export")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,
-          "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+          "gib": 2**30, "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "tb": 10**12}
+_UNIT_NAMES = "B, KiB, MiB, GiB, TiB (binary), KB, MB, GB, TB (decimal)"
+# Below this a figure measures the call's fixed cost, not a transfer (and the workloads'
+# shapes -- 4096-wide matrices, a Llama model -- cannot be made that small).
+MIN_SIZE = 2**20
 
 
 def parse_size(text: str) -> int:
-    """'1GiB', '512MiB', '1.5GB', '4096' -> bytes; argparse-friendly errors otherwise."""
+    """'1GiB', '512MiB', '1.5GB', '4096' -> bytes, at least ``MIN_SIZE``; argparse-friendly
+    errors otherwise (naming the units)."""
     raw = str(text).strip().lower().replace(" ", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = raw[len(number):]
@@ -52,10 +58,15 @@ def parse_size(text: str) -> int:
         value = math.nan
     if unit not in _UNITS or not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(
-            f"bad size {text!r}: expected a positive number with an optional unit, e.g. "
-            "512MiB, 1GiB, 1.5GB or 4096 (bytes)"
+            f"bad size {text!r}: expected a positive number with an optional unit ({_UNIT_NAMES}"
+            "), e.g. 512MiB, 1GiB, 1.5GB or 1048576 (bytes)"
         )
-    return int(value * _UNITS[unit])
+    nbytes = int(value * _UNITS[unit])
+    if nbytes < MIN_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} is {nbytes} bytes; the benchmark needs at least 1 MiB per rank "
+            "(a number without a unit is bytes: --size 1 is one byte; write 1GiB)")
+    return nbytes
 
 
 def format_size(n: float) -> str:
@@ -82,7 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=5,
                     help="warm calls after the first, per method (default 5)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch baselines")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress lines (they are drawn only when stderr is a terminal)")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="skip the machine warm-up before the first rank starts (it writes the "
+                    "memory the run will use once, and for export a file of the model's size "
+                    "to the bench directory, removed at once: so that the VM's or the page "
+                    "cache's first use is not billed to whichever method runs first)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--plot", metavar="PATH.png", help="draw first-call and warm GB/s (matplotlib)")
     ap.add_argument("--from-json", metavar="PATH",
@@ -90,8 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600,
                     help="seconds before local ranks are stopped (default 3600)")
     args = ap.parse_args(argv)
-    if args.world < 1:
-        ap.error(f"--world must be at least 1, got {args.world}")
+    if args.world < 2:
+        ap.error(f"--world must be at least 2 (rank 0 gathers from the others), got "
+                 f"{args.world}")
+    if args.from_json:
+        if not os.path.isfile(args.from_json):
+            ap.error(f"--from-json {args.from_json}: no such file (write one with --json PATH)")
+        return args
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
     if not args.no_baseline and not args.from_json:
@@ -106,24 +128,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ImportError:
             ap.error("--plot needs matplotlib: pip install 'distributed_ext[plot]' (or "
                      "pip install matplotlib)")
+    if args.workload == "export":
+        missing = [m for m in ("transformers", "safetensors") if not _importable(m)]
+        if missing:
+            ap.error(f"--workload export needs {' and '.join(missing)}: pip install "
+                     "'distributed_ext[export]'")
     args.workloads = ["bytes", "state-dict"] if args.workload == "all" else [args.workload]
     args.sizes = list(args.size)
     return args
 
 
-# -- memory ----------------------------------------------------------------------------------
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
-def estimate_peak_bytes(size: int, world: int, baseline: bool) -> int:
-    """Host memory one machine needs for a local run: payloads, dst's outputs, the baseline.
+# -- memory and disk -------------------------------------------------------------------------
 
-    gather_object holds, on dst, each rank's pickle as received, its unpickled copy and
-    staging (measured: 7 GiB for 1 GiB at world 2); senders hold a pickle and a tensor copy.
+
+def estimate_peak_bytes(size: int, world: int, baseline: bool, workload: str = "bytes") -> int:
+    """Host memory one machine needs for a local run of ``workload``.
+
+    bytes/state-dict: payloads, dst's outputs, the baseline: gather_object holds, on dst,
+    each rank's pickle as received, its unpickled copy and staging (measured: 7 GiB for 1 GiB
+    at world 2); senders hold a pickle and a tensor copy. export (``size`` = the model's
+    bytes): every rank builds the whole model before sharding it; torch's route then holds
+    the full state on dst and ``save_pretrained`` a copy of it.
     """
     per_rank_runtime = 400 * 2**20  # torch + gloo per process
+    if workload == "export":
+        return world * size + (2 * size if baseline else 0) + world * per_rank_runtime
     ours = world * size + world * size
     base = (3 * world + 1) * size + (world - 1) * 3 * size if baseline else 0
     return max(ours, base) + world * per_rank_runtime
+
+
+def estimate_disk_bytes(size: int, workload: str, baseline: bool) -> int:
+    """Disk one export run needs at once in the bench directory: a checkpoint (DCP's
+    consolidation: its shards and the consolidated file) plus the warm-up file."""
+    if workload != "export":
+        return 0
+    return (2 if baseline else 1) * size + 64 * 2**20
+
+
+def bench_dir() -> str:
+    """Where the export workload writes (``DEXT_BENCH_DIR``, else the system's temp dir)."""
+    import tempfile
+
+    return os.environ.get("DEXT_BENCH_DIR") or tempfile.gettempdir()
 
 
 def available_bytes() -> int | None:
@@ -137,16 +190,31 @@ def available_bytes() -> int | None:
     return None
 
 
-def check_memory(size: int, world: int, baseline: bool) -> None:
-    need = estimate_peak_bytes(size, world, baseline)
+def check_memory(size: int, world: int, baseline: bool, workload: str = "bytes") -> None:
+    """SystemExit with the numbers if a run of ``workload`` would not fit the machine's
+    available memory, or (export) the bench directory's free disk."""
+    need = estimate_peak_bytes(size, world, baseline, workload)
     have = available_bytes()
+    hint = "pass a smaller --size" + ("" if not baseline else " or --no-baseline")
     if have is not None and need > have:
         raise SystemExit(
-            f"distributed-ext-bench: --size {format_size(size)} at --world {world} needs about "
-            f"{format_size(need)} of host memory ({'with' if baseline else 'without'} the "
-            f"gather_object baseline), but only {format_size(have)} is available; pass a "
-            "smaller --size" + ("" if not baseline else " or --no-baseline")
+            f"distributed-ext-bench: --workload {workload} --size {format_size(size)} at "
+            f"--world {world} needs about {format_size(need)} of host memory ("
+            f"{'with' if baseline else 'without'} the torch baselines), but only "
+            f"{format_size(have)} is available; {hint}"
         )
+    disk = estimate_disk_bytes(size, workload, baseline)
+    if disk:
+        import shutil
+
+        where = bench_dir()
+        free = shutil.disk_usage(where).free
+        if disk > free:
+            raise SystemExit(
+                f"distributed-ext-bench: --workload export --size {format_size(size)} writes "
+                f"up to {format_size(disk)} at once to {where}, which has {format_size(free)} "
+                f"free; {hint}, or set DEXT_BENCH_DIR to a larger filesystem"
+            )
 
 
 class PeakRSS:
@@ -185,7 +253,8 @@ class PeakRSS:
 
 
 class ProgressBar:
-    """``[#####.....] 1.20/2.00 GiB  0.85 GB/s`` on stderr: bytes dst received from the others.
+    """``[#####.....] 1.20/2.00 GB  0.85 GB/s`` on stderr: bytes dst received from the others
+    (decimal units, like the rate); drawn only when stderr is a terminal.
 
     Redrawn whenever progress moves by 2% or 32 MiB (whichever is smaller) and at the end.
     """
@@ -204,8 +273,8 @@ class ProgressBar:
         frac = done / total if total else 1.0
         rate = done / max(now - self.start, 1e-9) / 1e9
         bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r  {self.label:<34} [{bar:<30}] {done / 2**30:6.2f}/"
-                         f"{total / 2**30:.2f} GiB {rate:6.2f} GB/s")
+        sys.stderr.write(f"\r  {self.label:<34} [{bar:<30}] {done / 1e9:6.2f}/"
+                         f"{total / 1e9:.2f} GB {rate:6.2f} GB/s")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -391,13 +460,14 @@ def build_export_model(nbytes: int, device: str = "cpu") -> Any:
 def _export_call(method: str, model: Any, rank: int, dst: int) -> bool:
     """One export into a fresh directory next to the system's temp dir, removed afterwards."""
     import shutil
-    import tempfile
 
     import torch.distributed as dist
 
     import distributed_ext as dx
 
-    base = os.environ.get("DEXT_BENCH_DIR") or tempfile.gettempdir()
+    # The run's own directory (made and removed, on any exit, by the process that started
+    # the ranks), else the bench directory.
+    base = os.environ.get("DEXT_BENCH_RUN_DIR") or bench_dir()
     out = os.path.join(base, f"dext-export-{os.getpid() if rank == dst else 'x'}")
     # Every rank must name the same directory for DCP: dst's choice is broadcast.
     out = dx.broadcast(out, src=dst) if dist.is_initialized() else out
@@ -490,6 +560,10 @@ def measure(workload: str, method: str, size: int, repeat: int, show_progress: b
 
     rank, world, dst = dist.get_rank(), dist.get_world_size(), 0
     if workload == "export":
+        # transformers' own "Writing model shards" bars would interleave with ours.
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         data: Any = build_export_model(size, device)
         # A DTensor's numel is the full tensor's: this is the checkpoint's size, on every rank.
         checkpoint = sum(p.numel() * p.element_size() for p in data.parameters())
@@ -583,7 +657,7 @@ def _export_targets(results: list[Result]) -> list[str]:
         ours = rows.get("distributed_ext")
         if ours is None:
             continue
-        label = f"export {format_size(size * ours.world)} model"
+        label = f"export of a {format_size(ours.received)} checkpoint"
         torch_rows = [rows[m] for m in ("torch get_model_state_dict+save_pretrained",
                                         "torch dcp HuggingFaceStorageWriter") if m in rows]
         if torch_rows:
@@ -686,16 +760,34 @@ def load_results(path: str) -> tuple[dict[str, Any], list[Result]]:
     return doc.get("environment", {}), [Result(**r) for r in doc["results"]]
 
 
+def conditions(exports: bool) -> str:
+    """What moves the figures, to print beside them: the machine's load now (read before the
+    ranks start) and, for an export, the filesystem it writes to (disks differ 4x between
+    machines; a RAM filesystem shows the software's own cost)."""
+    try:
+        load = "load average (1/5/15 min) before the run: " + " ".join(
+            f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "load average unknown"
+    if exports:
+        where = os.environ.get("DEXT_BENCH_DIR") or bench_dir()
+        return f"{load}; exports write to {where} ({_filesystem(where)})"
+    return load
+
+
 def report(results: list[Result], args: argparse.Namespace, where: str) -> None:
     print(f"\ndistributed-ext-bench, {where}, {datetime.date.today()}, torch "
           f"{__import__('torch').__version__}: first call, then the median and spread of "
           f"{args.repeat} warm calls")
+    if getattr(args, "conditions", None):
+        print(args.conditions)
     print(format_table(results))
     for line in check_targets(results):
         print("  " + line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": {**environment(), "where": where, "repeat": args.repeat},
+            json.dump({"environment": {**environment(), "where": where, "repeat": args.repeat,
+                                       "conditions": getattr(args, "conditions", None)},
                        "results": [asdict(r) for r in results]}, f, indent=2)
     if args.plot:
         plot(results, args.plot)
@@ -839,40 +931,79 @@ def touch_machine_memory(nbytes: int) -> None:
     On a fresh VM the first use of guest memory is slow (the host maps it in): without this,
     whichever method runs first would pay it in its "first call", a cost of the machine, not
     of the method. The ranks' own first-touch costs are untouched (they are new processes).
+    ``nbytes`` is the run's own estimate, already checked to fit (never more than is free).
     """
     import torch
 
     have = available_bytes()
-    n = min(nbytes, int(have * 0.8)) if have else nbytes
+    n = min(nbytes, have) if have else nbytes
     if n > 0:
         torch.empty(n, dtype=torch.uint8).fill_(0)
 
 
+@contextlib.contextmanager
+def _run_directory(needed: bool) -> Any:
+    """A directory of this run in the bench directory (export's checkpoints, the warm-up
+    file), removed on any exit -- an error, Ctrl-C, SIGTERM (turned into SystemExit here)."""
+    import shutil
+    import signal
+    import tempfile
+
+    if not needed:
+        yield None
+        return
+    path = tempfile.mkdtemp(prefix="dext-bench-", dir=bench_dir())
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def on_term(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def spawn_local(args: argparse.Namespace) -> int:
+    args.conditions = conditions("export" in args.workloads)
     biggest = max(args.sizes)
-    if args.workloads != ["export"]:
-        check_memory(biggest, args.world, not args.no_baseline)
-    if "export" in args.workloads:  # the first write through the page cache, as for memory
-        _write_sequential(os.path.join(os.environ.get("DEXT_BENCH_DIR") or
-                                       __import__("tempfile").gettempdir(),
-                                       f"dext-warm-{os.getpid()}"), biggest)
-    touch_machine_memory(estimate_peak_bytes(biggest, args.world, not args.no_baseline))
+    baseline = not args.no_baseline
+    for workload in args.workloads:  # every workload refused up front, with the numbers
+        check_memory(biggest, args.world, baseline, workload)
+    with _run_directory("export" in args.workloads) as run_dir:
+        return _spawn_in(args, biggest, baseline, run_dir)
+
+
+def _spawn_in(args: argparse.Namespace, biggest: int, baseline: bool, run_dir: str | None) -> int:
+    if not args.no_warm_up:
+        need = max(estimate_peak_bytes(biggest, args.world, baseline, w) for w in args.workloads)
+        print(f"distributed-ext-bench: warming the machine up first (--no-warm-up skips it): "
+              f"writing {format_size(need)} of memory once"
+              + (f", and a {format_size(biggest)} file to {run_dir} (removed at once)"
+                 if run_dir else ""), flush=True)
+        if run_dir is not None:  # the first write through the page cache, as for memory
+            _write_sequential(os.path.join(run_dir, "warm-up"), biggest)
+        touch_machine_memory(need)
     show = not args.quiet and sys.stderr.isatty()
     results: list[Result] = []
+    env = {"DEXT_BENCH_RUN_DIR": run_dir} if run_dir else {}
 
     for size, workload in ((s, w) for s in args.sizes for w in args.workloads):
         def announce(pids: list[int], size: int = size, workload: str = workload) -> None:
-            what = (f"a {format_size(size)} model" if workload == "export"
+            what = (f"a Llama-shaped model of about {format_size(size)}" if workload == "export"
                     else f"{format_size(size)} per rank")
             print(f"distributed-ext-bench: {args.world} local ranks on gloo (pids "
                   f"{', '.join(str(p) for p in pids)}), {what}", flush=True)
 
-        for method in resolve_methods(workload, not args.no_baseline):
+        for method in resolve_methods(workload, baseline):
             # Fresh ranks per method: its first call is a first call.
             outcomes = run_local(_rank_measure, args.world, workload, method, size,
                                  args.repeat, show, timeout=args.timeout,
                                  pg_timeout=args.timeout, capture_output=False,
-                                 stop_on_sigint=True, on_start=announce)
+                                 stop_on_sigint=True, on_start=announce, env=env)
             if any(o.interrupted for o in outcomes):
                 print("\ndistributed-ext-bench: interrupted; every local rank stopped",
                       file=sys.stderr)
@@ -894,6 +1025,7 @@ def run_launched(args: argparse.Namespace) -> int:
 
     import distributed_ext as dx
 
+    args.conditions = conditions("export" in args.workloads)
     with dx.distributed_run() as state:
         backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
         show = state.is_main and not args.quiet and sys.stderr.isatty()
@@ -915,16 +1047,26 @@ def run_launched(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        env, results = load_results(args.from_json)
+        try:
+            env, results = load_results(args.from_json)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"distributed-ext-bench: --from-json {args.from_json}: not a file written by "
+                  f"--json ({type(exc).__name__}: {exc})", file=sys.stderr)
+            return 2
         args.repeat = env.get("repeat", args.repeat)
+        args.conditions = env.get("conditions")
         report(results, args, f"from {args.from_json} ({env.get('where', '?')}, "
                               f"{env.get('date', '?')})")
         return 0
     from distributed_ext import runtime
 
-    if runtime.is_distributed_launch():
-        return run_launched(args)
-    return spawn_local(args)
+    try:
+        if runtime.is_distributed_launch():
+            return run_launched(args)
+        return spawn_local(args)
+    except KeyboardInterrupt:
+        print("\ndistributed-ext-bench: interrupted; nothing was left behind", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def set_distribution_plan(model: nn.Module, plan: DistributionPlan) -> None:
 
     Raises:
         TypeError: ``model`` is not an nn.Module or ``plan`` not a DistributionPlan.
-        ValueError: ``plan.world_size`` differs from the live run's size.
+        ValueError: ``plan.world_size`` differs from the live run's size, or the plan says
+            ``dense="replicate"`` of an FSDP2-sharded model.
         RuntimeError: the model or a submodule already records a plan.
     """
     if not isinstance(model, nn.Module):
@@ -102,6 +103,13 @@ def set_distribution_plan(model: nn.Module, plan: DistributionPlan) -> None:
         raise ValueError(
             f"set_distribution_plan: plan.world_size={plan.world_size} but this run has {live} "
             f"rank(s); record DistributionPlan(world_size={live}, ...)"
+        )
+    if plan.dense == "replicate" and plan.world_size > 1 and is_fsdp2_model(model):
+        # Code that trusts the plan would take every rank's dense weights for a whole copy.
+        raise ValueError(
+            f"set_distribution_plan: the model is FSDP2-sharded (fully_shard), but {plan} "
+            "says its dense part is replicated; record DistributionPlan(world_size="
+            f"{plan.world_size}, ep_size={plan.ep_size}, dense='fsdp')"
         )
     # Check everything before writing anything, so a refused call leaves no trace.
     modules = list(model.named_modules())

@@ -15,11 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-import torch.distributed as dist
+try:  # importing torch takes a while: a Ctrl-C meanwhile is a message, not a traceback
+    import torch
+    import torch.distributed as dist
 
-import distributed_ext as dx
-from distributed_ext._spawn import run_local
+    import distributed_ext as dx
+    from distributed_ext._spawn import run_local
+except KeyboardInterrupt:
+    print("export_fsdp2_hf: interrupted while starting; nothing ran", file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 def build_model() -> torch.nn.Module:
@@ -59,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=2, help="local ranks without a launcher")
     ap.add_argument("--max-shard-size", default="5GB")
     args = ap.parse_args(argv)
+    import importlib.util
+
+    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        ap.error(f"needs {' and '.join(missing)}: pip install 'distributed_ext[export]'")
     if dx.is_distributed_launch():
         with dx.distributed_run() as state:
             logits = train_and_export(args.out, args.max_shard_size)
@@ -66,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"exported to {args.out}; logits[0, 0, :3] = {logits[:3]}", flush=True)
             dist.barrier()
         return 0
-    outcomes = run_local(_local_rank, args.world, args.out, args.max_shard_size, timeout=600)
+    # Ctrl-C stops every local rank (the export then leaves the earlier checkpoint, or none).
+    outcomes = run_local(_local_rank, args.world, args.out, args.max_shard_size, timeout=600,
+                         stop_on_sigint=True)
+    if any(o.interrupted for o in outcomes):
+        print("export_fsdp2_hf: interrupted; every rank stopped, nothing was published",
+              file=sys.stderr)
+        return 130
     failed = [o.describe() for o in outcomes if not o.ok]
     if failed:
         print(f"export_fsdp2_hf: {'; '.join(failed)}", file=sys.stderr)
@@ -76,4 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before the ranks started, or under a launch
+        print("export_fsdp2_hf: interrupted", file=sys.stderr)
+        sys.exit(130)

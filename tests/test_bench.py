@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -19,16 +20,25 @@ from distributed_ext import bench
 
 @pytest.mark.parametrize(
     "text, value",
-    [("4096", 4096), ("1KiB", 1024), ("512MiB", 512 * 2**20), ("1GiB", 2**30), ("1.5GB", 1.5e9),
-     ("2 MiB", 2 * 2**20), ("1gib", 2**30), ("3M", 3 * 2**20)],
+    [("1048576", 2**20), ("1024KiB", 2**20), ("512MiB", 512 * 2**20), ("1GiB", 2**30),
+     ("1.5GB", 1.5e9), ("2 MiB", 2 * 2**20), ("1gib", 2**30), ("3M", 3 * 2**20),
+     ("1TiB", 2**40), ("2TB", 2e12)],
 )
 def test_parse_size(text, value):
     assert bench.parse_size(text) == int(value)
 
 
-@pytest.mark.parametrize("text", ["", "abc", "1TB", "-5MiB", "0", "1.2.3GiB", "nanGiB"])
-def test_parse_size_rejects(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="bad size"):
+@pytest.mark.parametrize("text", ["", "abc", "1PB", "-5MiB", "0", "1.2.3GiB", "nanGiB"])
+def test_parse_size_rejects_and_names_the_units(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="bad size") as info:
+        bench.parse_size(text)
+    assert "TiB" in str(info.value) and "GB" in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["0.5", "1", "4096", "0.5MiB"])
+def test_sizes_under_a_mebibyte_are_refused_not_rounded(text):
+    # --size 0.5 was 0 bytes (failing inside the ranks); --size 1 ran silently at 4 KiB.
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 1 MiB"):
         bench.parse_size(text)
 
 
@@ -38,7 +48,8 @@ def test_parse_args_defaults_and_errors(capsys):
         2, [256 * 2**20], 5, ["bytes", "state-dict"])
     assert bench.parse_args(["--size", "256MiB", "64MiB"]).sizes == [256 * 2**20, 64 * 2**20]
     assert bench.parse_args(["--workload", "bytes"]).workloads == ["bytes"]
-    for bad, text in ((["--world", "0"], "--world must be at least 1"),
+    for bad, text in ((["--world", "1"], "--world must be at least 2"),
+                      (["--from-json", "missing.json"], "no such file"),
                       (["--size", "lots"], "bad size"), (["--repeat", "0"], "--repeat"),
                       (["--workload", "pickle"], "invalid choice")):
         with pytest.raises(SystemExit) as info:
@@ -68,6 +79,83 @@ def test_memory_is_refused_up_front_with_the_numbers(monkeypatch):
     msg = str(info.value)
     assert "1 GiB" in msg and "2 GiB is available" in msg and "--no-baseline" in msg
     bench.check_memory(2**20, 2, baseline=True)  # small enough: no error
+
+
+def test_every_workload_is_refused_up_front_for_memory_and_disk(monkeypatch, tmp_path):
+    import shutil
+    from collections import namedtuple
+
+    monkeypatch.setattr(bench, "available_bytes", lambda: 8 * 2**30)
+    with pytest.raises(SystemExit) as info:  # every rank builds the model: 2 x 100 GiB
+        bench.check_memory(100 * 2**30, 2, baseline=True, workload="export")
+    assert "--workload export" in str(info.value) and "8 GiB is available" in str(info.value)
+    monkeypatch.setattr(bench, "available_bytes", lambda: 2**40)
+    monkeypatch.setenv("DEXT_BENCH_DIR", str(tmp_path))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, 10 * 2**30))
+    with pytest.raises(SystemExit) as info:  # a 100 GiB model's checkpoint, twice for DCP
+        bench.check_memory(100 * 2**30, 2, baseline=True, workload="export")
+    msg = str(info.value)
+    assert "200.1 GiB" in msg and str(tmp_path) in msg and "10 GiB free" in msg, msg
+    assert "DEXT_BENCH_DIR" in msg
+    bench.check_memory(1 * 2**30, 2, baseline=True, workload="export")  # fits: no error
+    # Through the command: refused before any rank starts or anything is written.
+    proc = subprocess.run(
+        [sys.executable, "-m", "distributed_ext.bench", "--workload", "export", "--size",
+         "100TiB"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "DEXT_BENCH_DIR": str(tmp_path)})
+    assert proc.returncode != 0 and "needs about" in proc.stderr, proc.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
+
+
+def test_from_json_that_is_not_ours_is_a_message_not_a_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert bench.main(["--from-json", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "not a file written by --json" in err and "Traceback" not in err
+
+
+def test_export_needs_its_extra_up_front(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "_importable", lambda name: name != "transformers")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workload", "export"])
+    assert "pip install 'distributed_ext[export]'" in capsys.readouterr().err
+
+
+def test_the_export_extra_holds_what_the_export_needs():
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    names = {re.split(r"[=<>]", d)[0] for d in extras["export"]}
+    assert {"transformers", "safetensors"} <= names
+
+
+def _interrupt_export_bench(tmp_path, signum, after):
+    """Runs the export bench in a new session, signals it after ``after`` seconds."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distributed_ext_cli", "--workload", "export", "--size",
+         "64MiB", "--repeat", "50", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+        env={**os.environ, "DEXT_BENCH_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    try:
+        time.sleep(after)
+        os.kill(proc.pid, signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("signum, after", [(signal.SIGINT, 1.0), (signal.SIGINT, 25.0),
+                                           (signal.SIGTERM, 25.0)])
+def test_the_export_bench_leaves_nothing_behind_on_ctrl_c_or_sigterm(signum, after, tmp_path):
+    code, out, err = _interrupt_export_bench(tmp_path, signum, after)
+    assert code in (130, 128 + signal.SIGTERM, -signal.SIGTERM), (code, err[-2000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
 
 
 def test_make_state_is_llm_shaped_and_sized():

@@ -84,3 +84,34 @@ def test_export_fsdp2_hf_example_locally(tmp_path):
 def test_export_fsdp2_hf_example_under_torchrun(tmp_path):
     out = tmp_path / "ckpt"
     _assert_loaded_logits_match_printed(run_torchrun([EXPORT, "--out", str(out)]), out)
+
+
+@pytest.mark.parametrize("when", ["importing", "ranks running"])
+def test_export_fsdp2_hf_example_ctrl_c_is_a_message_not_a_traceback(when, tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    out = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, EXPORT, "--world", "2", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        if when == "importing":
+            time.sleep(0.5)
+        else:  # once the forkserver and both ranks exist
+            deadline = time.monotonic() + 60
+            while len(psutil.Process(proc.pid).children(recursive=True)) < 3:
+                assert time.monotonic() < deadline and proc.poll() is None, "no ranks started"
+                time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and "interrupted" in err, err[-2000:]

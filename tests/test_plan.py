@@ -106,3 +106,24 @@ def test_in_a_run_of_several_ranks():
     for v in assert_all_ok(run_ranks(_in_a_run_of_two, 2)):
         assert "run of 2 ranks" in v["unrecorded"] and v["recorded"] is True
         assert "records no plan" in v["late"]
+
+
+def _replicate_plan_on_an_fsdp2_model():
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model)
+    try:
+        dx.set_distribution_plan(model, dx.DistributionPlan(world_size=dist.get_world_size()))
+        return ("recorded",)
+    except ValueError as exc:
+        refused = str(exc)
+    assert _recorded_anywhere(model) == []  # left as it was
+    dx.set_distribution_plan(model, dx.DistributionPlan(world_size=dist.get_world_size(),
+                                                        dense="fsdp"))
+    return ("refused", refused)
+
+
+def test_a_replicate_plan_on_an_fsdp2_sharded_model_is_refused():
+    for v in assert_all_ok(run_ranks(_replicate_plan_on_an_fsdp2_model, 2)):
+        assert v[0] == "refused" and "dense='fsdp'" in v[1] and "FSDP2-sharded" in v[1], v

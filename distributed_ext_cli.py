@@ -1,0 +1,25 @@
+"""The console entry of ``distributed-ext-bench``, outside the package on purpose.
+
+Importing ``distributed_ext`` imports torch (a second or more): a Ctrl-C then would print a
+traceback from deep inside an import. This module imports nothing heavy itself, so it can
+catch that interrupt and say plainly that nothing ran.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def bench() -> int:
+    """``distributed-ext-bench``: :func:`distributed_ext.bench.main`, quiet on Ctrl-C."""
+    try:
+        from distributed_ext.bench import main
+    except KeyboardInterrupt:
+        print("\ndistributed-ext-bench: interrupted while starting; nothing ran",
+              file=sys.stderr)
+        return 130
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(bench())
