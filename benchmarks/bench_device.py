@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from distributed_ext._timing import time_calls
-from distributed_ext.bench import parse_size
+from distributed_ext.bench import parse_bytes, parse_size
 
 
 def _rate(nbytes: int, fn, repeat: int = 3) -> float:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=parse_size, default=parse_size("4GiB"))
-    ap.add_argument("--chunk-bytes", type=parse_size, default=parse_size("256MiB"))
+    ap.add_argument("--chunk-bytes", type=parse_bytes, default=parse_size("256MiB"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_device: no CUDA device; run it on a GPU machine")

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the many-small-tensors scenario instead of the model sizes")
     ap.add_argument("--many-world", type=int, default=4)
     ap.add_argument("--many-entries", type=int, default=5000)
-    ap.add_argument("--many-bytes", type=bench.parse_size, default=1024,
+    ap.add_argument("--many-bytes", type=bench.parse_bytes, default=1024,
                     help="bytes per entry per rank (default 1KiB)")
     args = ap.parse_args(argv)
     if args.many:

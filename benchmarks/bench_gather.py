@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=bench.parse_size, nargs="+",
                     default=[bench.parse_size("256MiB"), bench.parse_size("1GiB")])
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--chunk-bytes", type=bench.parse_size, default=None)
+    ap.add_argument("--chunk-bytes", type=bench.parse_bytes, default=None)
     ap.add_argument("--skip-gather-object", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)

@@ -47,7 +47,17 @@ MIN_SIZE = 2**20
 
 
 def parse_size(text: str) -> int:
-    """'1GiB', '512MiB', '1.5GB', '4096' -> bytes, at least ``MIN_SIZE``; argparse-friendly
+    """A per-rank size: :func:`parse_bytes`, at least ``MIN_SIZE``."""
+    nbytes = parse_bytes(text, minimum=0)
+    if nbytes < MIN_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} is {nbytes} bytes; the benchmark needs at least 1 MiB per rank "
+            "(a number without a unit is bytes: --size 1 is one byte; write 1GiB)")
+    return nbytes
+
+
+def parse_bytes(text: str, minimum: int = 1) -> int:
+    """'1GiB', '512MiB', '1.5GB', '4096' -> bytes (at least ``minimum``); argparse-friendly
     errors otherwise (naming the units)."""
     raw = str(text).strip().lower().replace(" ", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
@@ -62,10 +72,8 @@ def parse_size(text: str) -> int:
             "), e.g. 512MiB, 1GiB, 1.5GB or 1048576 (bytes)"
         )
     nbytes = int(value * _UNITS[unit])
-    if nbytes < MIN_SIZE:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r} is {nbytes} bytes; the benchmark needs at least 1 MiB per rank "
-            "(a number without a unit is bytes: --size 1 is one byte; write 1GiB)")
+    if nbytes < minimum:
+        raise argparse.ArgumentTypeError(f"size {text!r} is under {minimum} byte(s)")
     return nbytes
 
 
