@@ -290,7 +290,8 @@ class ProgressBar:
 
 class Running:
     """``  bytes (torch gather_object) 2/4   running 1.3 s`` on stderr while a call without
-    progress of its own (a baseline) runs, redrawn from a thread every 0.2 s."""
+    progress of its own (a baseline, raw gloo, the floor) runs: drawn when it starts, then
+    redrawn from a thread every 0.2 s."""
 
     def __init__(self, label: str, enabled: bool) -> None:
         self.label, self.enabled = label, enabled
@@ -299,9 +300,11 @@ class Running:
 
     def _run(self) -> None:
         start = time.perf_counter()
-        while not self._stop.wait(0.2):
+        while True:  # drawn at once (raw gloo and the floor take under 0.2 s), then redrawn
             sys.stderr.write(f"\r  {self.label:<34} running {time.perf_counter() - start:6.1f} s")
             sys.stderr.flush()
+            if self._stop.wait(0.2):
+                return
 
     def __enter__(self) -> Running:
         if self.enabled:

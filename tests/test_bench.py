@@ -320,3 +320,10 @@ def test_many_tensors_scenario_prints_both_routes_the_ratios_and_the_filesystem(
     assert "many / few entries, warm" in out and "torch's route / ours" in out
     assert f"writing to {tmp_path}" in out and "load average" in out
     assert os.listdir(tmp_path) == []  # every checkpoint removed after its call
+
+
+def test_a_call_without_progress_of_its_own_shows_a_line_even_when_short(capsys):
+    with bench.Running("bytes (raw gloo send/recv) 1/3", enabled=True):
+        pass  # shorter than a redraw
+    err = capsys.readouterr().err
+    assert "bytes (raw gloo send/recv) 1/3" in err and "running" in err
