@@ -13,7 +13,8 @@ middle goes direct, from the caller's memory when it happens to be aligned alike
 transport places its receive buffers so that it is), else through an aligned bounce buffer.
 Both descriptors write disjoint whole blocks: a block is written direct only when one write
 covers it whole, and every byte of the file is written once, so no block is ever both in the
-page cache and written around it. Where ``O_DIRECT`` is refused (tmpfs, some FUSE or network
+page cache and written around it. Where ``O_DIRECT`` is pointless (tmpfs, ramfs: the page
+cache is the storage) or refused (some FUSE or network
 filesystems), every write goes through the page cache.
 
 Thread safety: writes may come from several threads at once (``os.pwrite`` takes offsets);
@@ -25,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import threading
 
 import torch
 
-__all__ = ["ALIGN", "DirectFile", "aligned_empty", "place"]
+__all__ = ["ALIGN", "DirectFile", "aligned_empty", "on_ram_filesystem", "place"]
 
 ALIGN = 4096
 # Bounce buffer per writing thread; a direct write of unaligned memory goes in such pieces.
@@ -51,6 +53,29 @@ def aligned_empty(nbytes: int, shift: int = 0) -> torch.Tensor:
     It views a slightly larger allocation, which it keeps alive.
     """
     return place(torch.empty(nbytes + 2 * ALIGN, dtype=torch.uint8), nbytes, shift)
+
+
+def on_ram_filesystem(path: str) -> bool:
+    """Whether ``path`` is on tmpfs/ramfs (from /proc/mounts: the longest mount point above
+    it). There the page cache is the storage: ``O_DIRECT`` (which recent kernels accept on
+    tmpfs) would only add copies, so it is not used. Cached per directory."""
+    return _ram_filesystem_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@functools.lru_cache(maxsize=64)
+def _ram_filesystem_dir(path: str) -> bool:
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and (path == fields[1] or path.startswith(
+                        fields[1].rstrip("/") + "/")) and len(fields[1]) >= len(best):
+                    best, kind = fields[1], fields[2]
+    except OSError:
+        return False
+    return kind in ("tmpfs", "ramfs")
 
 
 def _memoryview(t: torch.Tensor) -> memoryview:
@@ -93,7 +118,7 @@ class DirectFile:
         try:
             os.ftruncate(self.fd, size)
             flag = getattr(os, "O_DIRECT", 0)
-            if flag:
+            if flag and not on_ram_filesystem(path):
                 with contextlib.suppress(OSError):  # EINVAL where refused: page cache only
                     self.direct_fd = os.open(path, os.O_WRONLY | flag)
             self.direct_capable = self.direct_fd is not None  # the filesystem takes O_DIRECT

@@ -815,7 +815,9 @@ class _Region:
     buf: torch.Tensor  # REGION_BYTES, aligned
     size: int  # the file's bytes in this region
     filled: int = 0
-    ranges: list[tuple[int, int]] = field(default_factory=list)  # (offset in it, nbytes)
+    # lists of rows (src_ptr, offset in it, nbytes) copied in; only the offsets and sizes
+    # are used later (the sources are gone by then)
+    ranges: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
 
 def _config_texts(model: nn.Module | None) -> dict[str, str]:
@@ -1005,17 +1007,28 @@ class FileSink:
         native pass per region); a region complete is written direct, whole. Regions over
         ``ASSEMBLY_BYTES`` are spilled, oldest first, through the page cache (a region
         shared with long runs, which go direct by themselves, completes only at the end)."""
-        by_region: dict[int, list[tuple[int, int, int]]] = {}
+        # region index -> [rows (src_ptr, offset in the region, nbytes), their bytes]
+        by_region: dict[int, list] = {}
         for ptr, offset, n in segments:
+            index, within = divmod(offset, REGION_BYTES)
+            if within + n <= REGION_BYTES:  # most runs: inside one region
+                got = by_region.get(index)
+                if got is None:
+                    got = by_region[index] = [[], 0]
+                got[0].append((ptr, within, n))
+                got[1] += n
+                continue
             while n > 0:
                 index, within = divmod(offset, REGION_BYTES)
                 m = min(n, REGION_BYTES - within)
-                by_region.setdefault(index, []).append((ptr, within, m))
+                got = by_region.setdefault(index, [[], 0])
+                got[0].append((ptr, within, m))
+                got[1] += m
                 ptr, offset, n = ptr + m, offset + m, n - m
         through_cache: list[tuple[int, int, int]] = []
         complete: list[tuple[int, _Region]] = []
         with self._region_lock:
-            for index, rows in by_region.items():
+            for index, (rows, nbytes) in by_region.items():
                 key = (file, index)
                 if key in self._spilled:
                     through_cache.extend((p, index * REGION_BYTES + w, m) for p, w, m in rows)
@@ -1026,8 +1039,8 @@ class FileSink:
                 else:
                     self._regions.move_to_end(key)
                 _native.pack_segments(region.buf, rows)  # the sources: held by the caller
-                region.filled += sum(m for _p, _w, m in rows)
-                region.ranges.extend((w, m) for _p, w, m in rows)
+                region.filled += nbytes
+                region.ranges.append(rows)  # (their pointers are not kept valid: unused)
                 if region.filled >= region.size:
                     del self._regions[key]
                     complete.append((index, region))
@@ -1055,7 +1068,7 @@ class FileSink:
             part = head[start : start + REGION_BYTES]
             buf[: len(part)].copy_(torch.frombuffer(bytearray(part), dtype=torch.uint8))
             region.filled = len(part)
-            region.ranges.append((0, len(part)))
+            region.ranges.append([(0, 0, len(part))])
         return region
 
     def _release_region(self, region: _Region) -> None:
@@ -1067,7 +1080,8 @@ class FileSink:
         """Writes what a region holds through the page cache (it will not be written direct)."""
         ptr, start = region.buf.data_ptr(), index * REGION_BYTES
         with self._opened(file):
-            file.write_segments([(ptr + w, start + w, m) for w, m in region.ranges])
+            file.write_segments([(ptr + w, start + w, m)
+                                 for rows in region.ranges for _p, w, m in rows])
         self._release_region(region)
 
     def _flush_regions(self) -> None:

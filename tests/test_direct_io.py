@@ -107,3 +107,26 @@ def test_aligned_empty_places_its_address():
     for shift in (0, 1, 512, ALIGN - 1):
         t = aligned_empty(1000, shift)
         assert t.numel() == 1000 and t.data_ptr() % ALIGN == shift % ALIGN
+
+
+def test_a_ram_filesystem_gets_no_o_direct():
+    # There the page cache is the storage: O_DIRECT (accepted by recent kernels) only copies.
+    import uuid
+
+    from distributed_ext import _direct_io
+
+    with open("/proc/mounts") as f:
+        ram = [m.split()[1] for m in f if m.split()[2] == "tmpfs"]
+    where = next((m for m in ram if os.path.isdir(m) and os.access(m, os.W_OK)), None)
+    if where is None:
+        pytest.skip("no writable tmpfs mount on this machine")
+    path = os.path.join(where, f"dext-test-{uuid.uuid4().hex}")
+    assert _direct_io.on_ram_filesystem(path)
+    file = DirectFile(path, 2 * ALIGN)
+    try:
+        assert file.direct_fd is None and not file.direct_capable
+        file.write(0, aligned_empty(2 * ALIGN).fill_(7))
+        assert file.direct_bytes == 0
+    finally:
+        file.close()
+        os.unlink(path)
