@@ -150,6 +150,10 @@ def ensure_heartbeat() -> None:
         _atexit_registered = True
 
 
+# Connections an endpoint holds at most (one per watching peer is the need).
+_MAX_HELD = 4096
+
+
 class _Endpoint:
     """This process's liveness endpoint: a listening TCP socket whose only message is that
     it exists. Peers connect to it when a rank's heartbeat stalls; the kernel accepts for a
@@ -183,6 +187,9 @@ class _Endpoint:
                 try:
                     if sock is listener:
                         conn, _addr = listener.accept()
+                        if len(selector.get_map()) > _MAX_HELD:
+                            conn.close()  # a flood (a port scan): hold no more descriptors
+                            continue
                         conn.setblocking(False)
                         selector.register(conn, selectors.EVENT_READ)
                     elif not sock.recv(256):  # the peer closed it

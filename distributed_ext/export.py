@@ -896,12 +896,15 @@ class FileSink:
 
     def __init__(self, directory: str, files: list[list[Entry]], model: nn.Module | None = None
                  ) -> None:
-        self.directory = os.path.abspath(directory)
+        # Resolved: a directory reached through a symlink is published in place of its
+        # target's contents, the link kept.
+        self.directory = os.path.realpath(directory)
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ValueError(f"directory={directory!r} exists and is not a directory; pass a "
                              "directory path (it is created if missing)")
         self.texts = _config_texts(model)
         parent, base = os.path.split(self.directory.rstrip(os.sep) or os.sep)
+        os.makedirs(parent, exist_ok=True)  # as save_pretrained, missing parents are made
         self._remove_stale(parent, base)
         token = uuid.uuid4().hex
         self.swap = os.path.isdir(parent) and os.access(parent, os.W_OK) and not (
@@ -1958,8 +1961,13 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     def make_sink(entries: list[Entry], model: nn.Module | None) -> FileSink:
         return FileSink(path, layout_files(entries, parse_shard_size(max_shard_size)), model)
 
-    # Checked on every rank and agreed in the metadata round, with dst and chunk_bytes.
-    extra = (("max_shard_size", max_shard_size), ("directory", path))
+    # Checked on every rank and agreed in the metadata round, with dst and chunk_bytes
+    # ("5GB" and 5000000000 are the same size: compared parsed, where they parse).
+    try:
+        shard_value: Any = parse_shard_size(max_shard_size)
+    except (TypeError, ValueError):
+        shard_value = max_shard_size  # raised by check() inside the round, on this rank
+    extra = (("max_shard_size", shard_value), ("directory", path))
     with _cyclic_gc_paused():
         _export(model_or_state, dst, group, make_sink, chunk_bytes, what,
                 extra_args=extra, commit=True, check=lambda: parse_shard_size(max_shard_size))

@@ -1210,3 +1210,25 @@ def test_a_peer_dying_after_the_data_is_named_and_the_checkpoint_is_complete(tmp
     for r in range(3):
         for i in range(4):
             assert torch.equal(got[f"r{r}.w{i}"], torch.full((3000,), float(10 * r + i)))
+
+
+def _export_into(out):
+    dx.export_hf_checkpoint(_state_of(dist.get_rank()), out, max_shard_size="5GB" if
+                            dist.get_rank() == 0 else 5 * 10**9)  # the same size, spelled apart
+    return True
+
+
+def test_missing_parents_are_made_and_a_symlinked_directory_keeps_its_link(tmp_path):
+    nested = tmp_path / "a" / "b" / "ckpt"
+    assert_all_ok(run_ranks(_export_into, 2, str(nested)))
+    assert sorted(_read_checkpoint(str(nested))) == sorted(
+        f"r{r}.w{i}" for r in range(2) for i in range(4))
+    target = tmp_path / "real"
+    target.mkdir()
+    (target / "tokenizer.json").write_text("{}")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    assert_all_ok(run_ranks(_export_into, 2, str(link)))
+    assert link.is_symlink() and (link / "tokenizer.json").exists()
+    assert sorted(_read_checkpoint(str(link))) == sorted(
+        f"r{r}.w{i}" for r in range(2) for i in range(4))
