@@ -1856,9 +1856,11 @@ def _commit_round(sink: Any, ctx: _agree.GroupContext,
                 raise interrupted  # before anything is published: nothing changes
             sink.commit()
             committed = True
-            late = deferred.take()  # a Ctrl-C during the commit: carried, like any failure
-            if late is not None:
-                raise late
+        # A Ctrl-C during the commit (or, on a sender, while it waited for it): carried in
+        # this round like any failure, so that every rank raises alike.
+        late = deferred.take()
+        if late is not None:
+            raise late
         status = _agree.Status()
     except BaseException as exc:  # noqa: BLE001 - carried to every rank
         if sink is not None and not committed:
