@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 from distributed_ext import bench
 
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="bytes per entry per rank (default 1KiB)")
     args = ap.parse_args(argv)
     if args.many:
-        base = os.environ.get("DEXT_BENCH_DIR") or tempfile.gettempdir()
+        base = bench.bench_dir()
         load = os.getloadavg()  # the machine's load before our ranks add to it
         rows = bench.measure_many(args.many_world, args.many_bytes, args.many_entries, 100,
                             args.repeat, base)

@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-__all__ = ["ALIGN", "DirectFile", "aligned_empty", "on_ram_filesystem", "place"]
+__all__ = ["ALIGN", "DirectFile", "aligned_empty", "filesystem_of", "on_ram_filesystem", "place"]
 
 ALIGN = 4096
 # Bounce buffer per writing thread; a direct write of unaligned memory goes in such pieces.
@@ -64,8 +64,15 @@ def on_ram_filesystem(path: str) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _ram_filesystem_dir(path: str) -> bool:
+    return filesystem_of(path)[0] in ("tmpfs", "ramfs")
+
+
+def filesystem_of(path: str) -> tuple[str, str]:
+    """``(type, mount point)`` of the filesystem ``path`` is on, from /proc/mounts (the
+    longest mount point above it; of equal ones the last mounted); ``("unknown", "")``
+    where it cannot be read."""
     path = os.path.realpath(path)
-    best, kind = "", ""
+    best, kind = "", "unknown"
     try:
         with open("/proc/mounts") as f:
             for line in f:
@@ -74,8 +81,8 @@ def _ram_filesystem_dir(path: str) -> bool:
                         fields[1].rstrip("/") + "/")) and len(fields[1]) >= len(best):
                     best, kind = fields[1], fields[2]
     except OSError:
-        return False
-    return kind in ("tmpfs", "ramfs")
+        return "unknown", ""
+    return kind, best
 
 
 def _memoryview(t: torch.Tensor) -> memoryview:

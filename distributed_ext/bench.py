@@ -776,12 +776,11 @@ def conditions(exports: bool) -> str:
     ranks start) and, for an export, the filesystem it writes to (disks differ 4x between
     machines; a RAM filesystem shows the software's own cost)."""
     try:
-        load = "load average (1/5/15 min) before the run: " + " ".join(
-            f"{x:.2f}" for x in os.getloadavg())
+        load = _load_text(os.getloadavg())
     except OSError:
         load = "load average unknown"
     if exports:
-        where = os.environ.get("DEXT_BENCH_DIR") or bench_dir()
+        where = bench_dir()
         return f"{load}; exports write to {where} ({_filesystem(where)})"
     return load
 
@@ -829,19 +828,15 @@ def measure_fresh(workload: str, method: str, world: int, size: int, repeat: int
 
 
 def _filesystem(path: str) -> str:
-    """The filesystem type of ``path`` (from /proc/mounts: the longest mount point above it)."""
-    path = os.path.realpath(path)
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 2 and (path == fields[1] or path.startswith(
-                        fields[1].rstrip("/") + "/")) and len(fields[1]) > len(best):
-                    best, kind = fields[1], fields[2]
-    except OSError:
-        pass
-    return f"{kind} at {best or '?'}"
+    """The filesystem type of ``path`` and its mount point, for a figure's caption."""
+    from distributed_ext import _direct_io
+
+    kind, mount = _direct_io.filesystem_of(path)
+    return f"{kind} at {mount or '?'}"
+
+
+def _load_text(load: tuple[float, ...]) -> str:
+    return "load average (1/5/15 min) before the run: " + " ".join(f"{x:.2f}" for x in load)
 
 
 def _many_rank(route: str, entries: int, per_rank: int, base: str, repeat: int
@@ -911,8 +906,7 @@ def format_many(rows: list[tuple[str, int, Timing]], world: int, per_rank: int, 
     lines = [f"many tensors: world {world} on gloo, Shard(0) fp32 DTensors, the same bytes "
              f"({format_size(many * per_rank * world)}) as {many} entries of "
              f"{format_size(per_rank)} per rank and as fewer, larger ones; writing to {base} "
-             f"({_filesystem(base)}); load average (1/5/15 min) before the run: "
-             f"{' '.join(f'{x:.2f}' for x in load)}",
+             f"({_filesystem(base)}); {_load_text(load)}",
              "| route | entries | first call s | warm median s | warm min-max s |",
              "|---|---|---|---|---|"]
     for route, entries, t in rows:
