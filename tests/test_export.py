@@ -60,6 +60,15 @@ def _input():
     return torch.randint(0, 130, (2, 8), generator=torch.Generator().manual_seed(1))
 
 
+def _outcome(call):
+    """``("ok",)``, or ``("raised", type name, message)`` of what ``call()`` raised here."""
+    try:
+        call()
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return ("raised", type(exc).__name__, str(exc))
+
+
 def _train_step(model):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(_input(), labels=_input()).loss.backward()
@@ -429,11 +438,7 @@ def _bad_entry(out, kind):
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         state = {"w": DTensor.from_local(torch.ones(3), mesh, [Partial()])}
-    try:
-        dx.export_hf_checkpoint(state, out)
-        return ("ok",)
-    except Exception as exc:
-        return ("raised", type(exc).__name__, str(exc))
+    return _outcome(lambda: dx.export_hf_checkpoint(state, out))
 
 
 @pytest.mark.parametrize("kind, own, text", [
@@ -795,11 +800,7 @@ def _hook_raises_on_one_rank(out):
             raise RuntimeError("a state-dict hook failed on this rank")
 
         model._register_state_dict_hook(hook)
-    try:
-        dx.export_hf_checkpoint(model, out)
-        return ("ok",)
-    except Exception as exc:  # noqa: BLE001
-        return ("raised", type(exc).__name__, str(exc))
+    return _outcome(lambda: dx.export_hf_checkpoint(model, out))
 
 
 def test_a_state_dict_hook_raising_on_one_rank_fails_every_rank(tmp_path):
@@ -850,11 +851,7 @@ def _failing_step(out, where):
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
         model.config.quantizer = object()  # what quantization tools attach: not JSON
         state = model
-    try:
-        dx.export_hf_checkpoint(state, out, max_shard_size="20KB")
-        return ("ok",)
-    except Exception as exc:  # noqa: BLE001
-        return ("raised", type(exc).__name__, str(exc))
+    return _outcome(lambda: dx.export_hf_checkpoint(state, out, max_shard_size="20KB"))
 
 
 @pytest.mark.parametrize("where, text", [
@@ -907,11 +904,7 @@ def _killed_in_commit(out, when):
                     die()
 
             E.os.replace = replace
-    try:
-        dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB")
-        return ("ok",)
-    except Exception as exc:  # noqa: BLE001
-        return ("raised", type(exc).__name__, str(exc))
+    return _outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
 
 
 @pytest.mark.parametrize("when", ["before-swap", "after-swap", "fallback-mid-renames"])
@@ -961,11 +954,7 @@ def test_stale_temporary_files_of_a_crashed_export_are_removed(tmp_path):
 
 
 def _no_group_under_a_launch(out):
-    try:
-        dx.export_hf_checkpoint({"w": torch.ones(3)}, out)
-        return ("ok",)
-    except Exception as exc:  # noqa: BLE001
-        return ("raised", type(exc).__name__, str(exc))
+    return _outcome(lambda: dx.export_hf_checkpoint({"w": torch.ones(3)}, out))
 
 
 def test_a_launch_without_a_process_group_is_refused(tmp_path):
@@ -1008,11 +997,7 @@ def _bad_key(out, kind):
         state["w\udc80"] = torch.ones(2)
     else:  # a lazily conjugated view: its memory is not what it reads as
         state["c"] = torch.ones(2, dtype=torch.complex64).mul(1 + 1j).conj()
-    try:
-        dx.export_hf_checkpoint(state, out)
-        return ("ok",)
-    except Exception as exc:  # noqa: BLE001
-        return ("raised", type(exc).__name__, str(exc))
+    return _outcome(lambda: dx.export_hf_checkpoint(state, out))
 
 
 @pytest.mark.parametrize("kind, text", [
@@ -1191,11 +1176,7 @@ def _peer_dies_after_the_data(out):
             os.kill(os.getpid(), signal.SIGKILL)
 
         E._commit_round = die  # every byte has arrived; rank 1 dies before the commit round
-    try:
-        dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB")
-        return ("ok",)
-    except Exception as exc:  # noqa: BLE001
-        return ("raised", type(exc).__name__, str(exc))
+    return _outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
 
 
 def test_a_peer_dying_after_the_data_is_named_and_the_checkpoint_is_complete(tmp_path):
