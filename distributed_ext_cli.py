@@ -7,6 +7,7 @@ catch that interrupt and say plainly that nothing ran.
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -16,8 +17,10 @@ def bench() -> int:
         from distributed_ext.bench import main
     except KeyboardInterrupt:
         print("\ndistributed-ext-bench: interrupted while starting; nothing ran",
-              file=sys.stderr)
-        return 130
+              file=sys.stderr, flush=True)
+        # Leave at once: the interpreter's shutdown with half-imported extension modules
+        # can end the process by SIGINT after all (exit -2 seen), hiding this exit code.
+        os._exit(130)
     return main()
 
 
