@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -21,6 +22,8 @@ namespace {
 
 // Pieces larger than this are split so a single huge segment still uses every thread.
 constexpr int64_t kPieceBytes = int64_t{4} << 20;  // 4 MiB
+// The least a thread of the pool is given to copy (see run_pieces).
+constexpr int64_t kTaskBytes = int64_t{1} << 20;  // 1 MiB
 
 struct Piece {
   char* dst;
@@ -79,14 +82,27 @@ std::vector<Piece> plan_pieces(const at::Tensor& buffer, const at::Tensor& table
   return pieces;
 }
 
+void copy_range(const std::vector<Piece>& pieces, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    std::memcpy(pieces[i].dst, pieces[i].src, static_cast<size_t>(pieces[i].nbytes));
+  }
+}
+
 void run_pieces(const std::vector<Piece>& pieces) {
   if (pieces.empty()) return;
   const int64_t n = static_cast<int64_t>(pieces.size());
-  // Grain 1: each piece is already up to 4 MiB; tiny segments are cheap either way.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(pieces[i].dst, pieces[i].src, static_cast<size_t>(pieces[i].nbytes));
-    }
+  int64_t total = 0;
+  for (const auto& p : pieces) total += p.nbytes;
+  // The pool only pays where each task copies at least kTaskBytes: a message of a thousand
+  // 1 KiB tensors is ~1 MiB, which one thread copies in well under the cost of waking the
+  // pool (and, with several ranks per host, of their threads competing for the cores).
+  if (total < 2 * kTaskBytes || n == 1) {
+    copy_range(pieces, 0, n);
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, n * kTaskBytes / total);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    copy_range(pieces, begin, end);
   });
 }
 

@@ -155,10 +155,11 @@ class DirectFile:
             _pwrite_fully(self.fd, _memoryview(data[hi:]), offset + hi)
         self._write_direct(offset + lo, data[lo:hi])
 
-    def write_segments(self, segments: list[tuple[int, int, int]]) -> None:
-        """Writes many small ``(src_ptr, offset, nbytes)`` runs through the page cache in one
-        native call (:func:`distributed_ext._native.pwrite_segments`): runs this small
-        never cover a whole block direct, so the one-writer-per-block rule holds.
+    def write_segments(self, segments: list[tuple[int, int, int]] | torch.Tensor) -> None:
+        """Writes many small ``(src_ptr, offset, nbytes)`` runs (triples or an int64 table)
+        through the page cache in one native call
+        (:func:`distributed_ext._native.pwrite_segments`): runs this small never cover a
+        whole block direct, so the one-writer-per-block rule holds.
 
         Lifetime: the source pointers are borrowed until this returns.
         """

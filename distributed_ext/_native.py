@@ -90,7 +90,16 @@ def built_with_cuda() -> bool:
     return bool(_C.built_with_cuda())
 
 
-def _table(rows: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+# Segment rows ``(pointer, offset, nbytes)``: a list of triples, or an int64 (k, 3) table.
+Segments = Sequence[tuple[int, int, int]] | torch.Tensor
+
+
+def _table(rows: Segments) -> torch.Tensor:
+    if isinstance(rows, torch.Tensor):  # already a table: (k, 3) int64
+        if rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[1] != 3:
+            raise ValueError(f"a segment table must be an int64 tensor of shape (k, 3), got "
+                             f"{rows.dtype} {tuple(rows.shape)}")
+        return rows.contiguous()
     if len(rows) == 0:
         return torch.empty((0, 3), dtype=torch.int64)
     # Through an int64 array: half the cost of torch.tensor(rows) on a list of tuples (the
@@ -103,7 +112,7 @@ def _table(rows: Sequence[tuple[int, int, int]]) -> torch.Tensor:
     return torch.frombuffer(flat, dtype=torch.int64).reshape(-1, 3)
 
 
-def pack_segments(dst: torch.Tensor, segments: Sequence[tuple[int, int, int]]) -> None:
+def pack_segments(dst: torch.Tensor, segments: Segments) -> None:
     """Copies each ``(src_ptr, dst_offset, nbytes)`` source into ``dst`` (a CPU uint8 tensor).
 
     The GIL is released during the copy. Offsets and lengths are checked against ``dst``;
@@ -112,7 +121,7 @@ def pack_segments(dst: torch.Tensor, segments: Sequence[tuple[int, int, int]]) -
     _C.pack_segments(dst, _table(segments))
 
 
-def unpack_segments(src: torch.Tensor, segments: Sequence[tuple[int, int, int]]) -> None:
+def unpack_segments(src: torch.Tensor, segments: Segments) -> None:
     """Copies ``src[src_offset : src_offset + nbytes]`` to each ``(dst_ptr, src_offset, nbytes)``.
 
     The inverse of :func:`pack_segments`; the same checks and lifetime rule apply.
@@ -120,13 +129,13 @@ def unpack_segments(src: torch.Tensor, segments: Sequence[tuple[int, int, int]])
     _C.unpack_segments(src, _table(segments))
 
 
-def pwrite_segments(fd: int, segments: Sequence[tuple[int, int, int]]) -> None:
+def pwrite_segments(fd: int, segments: Segments) -> None:
     """Writes each ``(src_ptr, file_offset, nbytes)`` to ``fd`` with pwrite, GIL released.
 
     Raises OSError (with the errno) on the first failed write. The source pointers are
     borrowed: the caller keeps their owners alive, and ``fd`` open, until this returns.
     """
-    if not segments:
+    if len(segments) == 0:
         return
     err = _C.pwrite_segments(fd, _table(segments))
     if err:

@@ -38,6 +38,7 @@ import collections
 import contextlib
 import functools
 import gc
+import hashlib
 import json
 import math
 import os
@@ -193,13 +194,39 @@ class Signature:
 class Described:
     """One rank's entries: its keys in state order, each with an index into ``signatures``
     (a few distinct ones for a whole model). This, not a record per entry, is what the
-    ranks exchange."""
+    ranks exchange -- and in the metadata round only its :meth:`summary`: where every rank
+    holds the same keys (FSDP2, a replicated model) the keys never cross the link."""
 
-    keys: list[str]
-    sig_ids: bytes  # array('i') of one index per key
+    keys: list[str] | None
+    sig_ids: bytes | None  # array('i') of one index per key
     signatures: list[Signature]
     plan: tuple | None = None
     args: Any = None  # the call's _Args, agreed in the same round
+    digest: bytes = b""  # of keys and sig_ids (a summary's, which has neither)
+
+    def summary(self) -> Described:
+        """This without its keys and ids, with their digest: a few hundred bytes whatever
+        the number of keys."""
+        assert self.keys is not None and self.sig_ids is not None
+        h = hashlib.blake2b(digest_size=16)
+        h.update(len(self.keys).to_bytes(8, "little"))
+        h.update("\0".join(self.keys).encode("utf-8", "surrogatepass"))
+        h.update(self.sig_ids)
+        return Described(None, None, self.signatures, self.plan, self.args, h.digest())
+
+
+def resolve_described(summaries: list[Described], mine: Described, what: str,
+                      group: dist.ProcessGroup | None) -> list[Described]:
+    """Every rank's Described from the ranks' summaries (the same on every rank): where all
+    digests are equal, each rank's keys are this rank's own (nothing more is sent); else
+    the keys and ids are exchanged in one more agreed round, which every rank joins (every
+    rank sees the same digests)."""
+    if all(d.digest == summaries[0].digest for d in summaries):
+        tables = [(mine.keys, mine.sig_ids)] * len(summaries)
+    else:
+        tables = all_reduce(f"{what}: keys", lambda: (mine.keys, mine.sig_ids), list, group)
+    return [Described(keys, ids, d.signatures, d.plan, d.args, d.digest)
+            for d, (keys, ids) in zip(summaries, tables)]
 
 
 def _placement_code(key: str, p: Any) -> tuple:
@@ -218,58 +245,110 @@ def _placement_code(key: str, p: Any) -> tuple:
                      ".full_tensor() first")
 
 
-def describe_state(state: dict[str, Any], plan: tuple | None = None) -> Described:
+def describe_state(state: dict[str, Any], plan: tuple | None = None,
+                   local: dict[str, torch.Tensor] | None = None) -> Described:
     """This rank's entries as compact tables; TypeError/ValueError naming the key of an
     entry the export cannot write (not a tensor, a dtype safetensors cannot store, a
     ``Partial`` or ``_StridedShard`` DTensor, a local shard of another shape than its
-    placements say, a sparse or meta tensor)."""
+    placements say, a sparse or meta tensor). ``local``: filled with each key's local block
+    (a DTensor's shard, else the tensor), which the transfer reads.
+
+    Per entry this is a few attribute reads and one dict lookup (a model has 100k tensors):
+    everything a signature determines (dtype, placements, the expected local shape) is
+    checked once per signature.
+    """
     dtensor = _dtensor_type()
     # (dtype, shape, placements, id(mesh)) -> (signature index, this rank's local shape)
     sigs: dict[Any, tuple[int, tuple[int, ...] | None]] = {}
     table: list[Signature] = []
     ids = array.array("i")
+    blocks = {} if local is None else local
+    strided = torch.strided
     for key, t in state.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state[{key!r}] is a {type(t).__name__}, not a tensor; a "
-                            "checkpoint holds tensors only -- drop it or store it in the config")
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"state[{key!r}] has dtype {t.dtype}, which safetensors cannot "
-                            "store; convert it with .to(...) first")
-        local = _local(t)
-        if local.is_conj() or local.is_neg():
-            raise ValueError(f"state[{key!r}] is a lazily {'conjugated' if local.is_conj() else 'negated'} "
-                             "view: its memory holds other values than it reads as; call "
-                             ".resolve_conj() / .resolve_neg() on it first")
-        if dtensor is not None and isinstance(t, dtensor):
+        kind = type(t)
+        if kind is dtensor:  # (exactly: a subclass takes the checked path below)
             spec = t._spec
-            mesh = spec.mesh
-            cache_key: Any = (t.dtype, t.shape, spec.placements, id(mesh))
-            got = sigs.get(cache_key)
+            block = t._local_tensor
+            got = sigs.get((t.dtype, spec.shape, spec.placements, id(spec.mesh)))
             if got is None:
-                codes = tuple(_placement_code(key, p) for p in spec.placements)
-                ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
-                sig = Signature(_dtype_name(t.dtype), tuple(t.shape), codes, ranks,
-                                tuple(mesh.mesh.shape))
-                expected = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[1]
-                got = sigs[cache_key] = (len(table), expected)
-                table.append(sig)
-            index, expected = got
-            local_shape = local.shape
-            if expected is not None and local_shape != expected:
-                raise ValueError(f"state[{key!r}]: its local shard has shape "
-                                 f"{tuple(local_shape)}, but its placements say {expected}")
+                got = _describe_dtensor(key, t, sigs, table)
+            if block.is_conj() or block.is_neg() or (got[1] is not None
+                                                     and block.shape != got[1]):
+                _refuse_block(key, block, got[1])
+        elif kind is torch.Tensor or kind is nn.Parameter:
+            block = t
+            got = sigs.get((t.dtype, t.shape))
+            if got is None:
+                got = _describe_plain(key, t, sigs, table)
+            if block.layout is not strided or block.is_meta or block.is_conj() or block.is_neg():
+                _refuse_block(key, block, None)
         else:
-            if t.layout != torch.strided or t.is_meta:
-                raise TypeError(f"state[{key!r}] is a {t.layout} or meta tensor; export "
-                                "dense, materialized tensors")
-            cache_key = (t.dtype, t.shape)
-            got = sigs.get(cache_key)
-            if got is None:
-                got = sigs[cache_key] = (len(table), None)
-                table.append(Signature(_dtype_name(t.dtype), tuple(t.shape)))
-            index = got[0]
-        ids.append(index)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state[{key!r}] is a {type(t).__name__}, not a tensor; a "
+                                "checkpoint holds tensors only -- drop it or store it in "
+                                "the config")
+            block = _local(t)
+            if dtensor is not None and isinstance(t, dtensor):
+                spec = t._spec
+                got = sigs.get((t.dtype, spec.shape, spec.placements, id(spec.mesh)))
+                if got is None:
+                    got = _describe_dtensor(key, t, sigs, table)
+            else:
+                got = sigs.get((t.dtype, t.shape))
+                if got is None:
+                    got = _describe_plain(key, t, sigs, table)
+                if block.layout is not strided or block.is_meta:
+                    _refuse_block(key, block, None)
+            if block.is_conj() or block.is_neg() or (got[1] is not None
+                                                     and block.shape != got[1]):
+                _refuse_block(key, block, got[1])
+        ids.append(got[0])
+        blocks[key] = block
     return Described(list(state), ids.tobytes(), table, plan)
+
+
+def _check_dtype(key: str, t: torch.Tensor) -> None:
+    if t.dtype not in SAFETENSORS_DTYPES:
+        raise TypeError(f"state[{key!r}] has dtype {t.dtype}, which safetensors cannot "
+                        "store; convert it with .to(...) first")
+
+
+def _describe_dtensor(key: str, t: Any, sigs: dict, table: list[Signature]
+                      ) -> tuple[int, tuple[int, ...] | None]:
+    """A DTensor signature seen for the first time: checked, added to ``table``."""
+    _check_dtype(key, t)
+    spec = t._spec
+    mesh = spec.mesh
+    codes = tuple(_placement_code(key, p) for p in spec.placements)
+    ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    sig = Signature(_dtype_name(t.dtype), tuple(spec.shape), codes, ranks, tuple(mesh.mesh.shape))
+    expected = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[1]
+    got = sigs[(t.dtype, spec.shape, spec.placements, id(mesh))] = (len(table), expected)
+    table.append(sig)
+    return got
+
+
+def _describe_plain(key: str, t: torch.Tensor, sigs: dict, table: list[Signature]
+                    ) -> tuple[int, None]:
+    """A plain tensor's signature seen for the first time: checked, added to ``table``."""
+    _check_dtype(key, t)
+    got = sigs[(t.dtype, t.shape)] = (len(table), None)
+    table.append(Signature(_dtype_name(t.dtype), tuple(t.shape)))
+    return got
+
+
+def _refuse_block(key: str, block: torch.Tensor, expected: tuple[int, ...] | None) -> None:
+    """Raises for a local block the export cannot read as it is (called only for one)."""
+    if block.layout != torch.strided or block.is_meta:
+        raise TypeError(f"state[{key!r}] is a {block.layout} or meta tensor; export "
+                        "dense, materialized tensors")
+    if block.is_conj() or block.is_neg():
+        raise ValueError(f"state[{key!r}] is a lazily "
+                         f"{'conjugated' if block.is_conj() else 'negated'} view: its memory "
+                         "holds other values than it reads as; call .resolve_conj() / "
+                         ".resolve_neg() on it first")
+    raise ValueError(f"state[{key!r}]: its local shard has shape {tuple(block.shape)}, but "
+                     f"its placements say {expected}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -309,11 +388,12 @@ class Piece:
     """A block of a written tensor that ``rank`` sends (in plan order).
 
     ``block`` is in the written tensor's coordinates. The bytes come from the in-memory tensor
-    ``source``'s local block on ``rank``: all of it (``local`` None), or ``local`` (slices
-    in the local block's coordinates) with its dims taken in ``perm`` order.
+    ``source`` (empty: its entry's ``source``)'s local block on ``rank``: all of it
+    (``local`` None), or ``local`` (slices in the local block's coordinates) with its dims
+    taken in ``perm`` order. Pieces of a whole in-memory tensor name no source: one list of
+    them serves every entry of a signature (immutable once planned).
     """
 
-    key: str
     rank: int  # group rank
     block: Block
     source: str = ""
@@ -344,7 +424,9 @@ class Entry:
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    pieces: list[Piece] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)  # shared between entries: never mutate
+    index: int = 0  # its position in the plan (how sinks and row tables name it)
+    source: str = ""  # the in-memory tensor its pieces read, where they do not name one
     nbytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -464,9 +546,9 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
     distinct: dict[int, list] = {}
     if written is None:  # a state dict: every tensor written whole, under its own key
         for key, holding in holdings.items():
-            entry = Entry(key, _DTYPE_BY_NAME[holding.sig.dtype], holding.sig.shape)
-            covered = _add_whole(entry, key, holding, distinct, dst_rank, load, keep)
-            _check_covered(entry, covered)
+            entry = Entry(key, _DTYPE_BY_NAME[holding.sig.dtype], holding.sig.shape,
+                          index=len(entries))
+            _add_whole(entry, key, holding, distinct, dst_rank, load, keep, share=True)
             entries.append(entry)
         return entries
     for w in written:
@@ -475,7 +557,7 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
                 f"{w.key!r}: transformers writes it through {w.unstreamable}, which cannot be "
                 "streamed from the shards as blocks; call gather_full_state(model, "
                 "hub_keys=False) and then save_pretrained on rank 0 with that state")
-        entry = Entry(w.key, w.dtype, w.shape)
+        entry = Entry(w.key, w.dtype, w.shape, index=len(entries))
         itemsize = w.dtype.itemsize
         covered = 0
         for part in w.parts:
@@ -483,7 +565,7 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
             _distinct_blocks(part.source, holding, distinct)  # they tile it exactly
             if _is_whole(part, holding.sig.shape):
                 covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load,
-                                      keep)
+                                      keep, share=len(w.parts) == 1)
                 continue
             blocks: dict[Block, list[tuple[int, Block, list[int], list[int]]]] = {}
             for r, held in holding.blocks:
@@ -498,7 +580,7 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
                 covered += wb.numel
                 if keep is None or sender == keep:
                     local, perm = _local_view(part, held, lo, hi)
-                    entry.pieces.append(Piece(w.key, sender, wb, part.source, local, perm))
+                    entry.pieces.append(Piece(sender, wb, part.source, local, perm))
         _check_covered(entry, covered)
         entries.append(entry)
     return entries
@@ -506,29 +588,40 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
 
 def _add_whole(entry: Entry, source: str, holding: Holding,
                distinct: dict[int, list], dst_rank: int, load: list[int],
-               keep: int | None = None) -> int:
+               keep: int | None = None, share: bool = False) -> int:
     """Adds the pieces of a written tensor that is in-memory tensor ``source`` as it is (one
-    per distinct block; ``keep``: only that rank's); returns the elements they cover."""
+    per distinct block; ``keep``: only that rank's); returns the elements they cover (all of
+    them: the blocks were checked to tile the tensor). ``share``: the entry has no other
+    pieces, so it may take its signature's one list of pieces (no object per entry)."""
     got = _distinct_blocks(entry.key, holding, distinct)
-    groups_list, fixed, covered, runs, _blocks, _exact = got
+    groups_list, fixed, covered = got[0], got[1], got[2]
     itemsize = entry.dtype.itemsize
-    key = entry.key
     if fixed is not None:
-        # Every key of a signature has its shape and dtype: the runs are computed once.
-        if runs is None:
-            runs = got[3] = [_piece_runs(wb, entry.shape, itemsize) for _s, wb in fixed]
-        for (sender, wb), wb_runs in zip(fixed, runs):
-            if sender != dst_rank:
-                load[sender] += wb.numel * itemsize
-            if keep is None or sender == keep:
-                entry.pieces.append(Piece(key, sender, wb, source, _runs=wb_runs))
+        # No replica (FSDP2): every key of the signature has the same senders, blocks,
+        # runs and bytes per sender; computed at its first key, then only counted.
+        shared = got[3].get((itemsize, keep))
+        if shared is None:
+            runs = [_piece_runs(wb, entry.shape, itemsize) for _s, wb in fixed]
+            pieces = [Piece(sender, wb, _runs=wb_runs)
+                      for (sender, wb), wb_runs in zip(fixed, runs)
+                      if keep is None or sender == keep]
+            sends = [(sender, wb.numel * itemsize) for sender, wb in fixed
+                     if sender != dst_rank and wb.numel]
+            shared = got[3][(itemsize, keep)] = (pieces, sends)
+        pieces, sends = shared
+        for sender, nbytes in sends:
+            load[sender] += nbytes
+        if share:
+            entry.pieces, entry.source = pieces, source
+        else:
+            entry.pieces.extend(Piece(p.rank, p.block, source, _runs=p._runs) for p in pieces)
         return covered
     for wb, owners in groups_list:
         sender = _choose_sender(owners, dst_rank, load)
         if sender != dst_rank:
             load[sender] += wb.numel * itemsize
         if keep is None or sender == keep:
-            entry.pieces.append(Piece(key, sender, wb, source))
+            entry.pieces.append(Piece(sender, wb, source))
     return covered
 
 
@@ -549,10 +642,10 @@ def _distinct_blocks(key: str, holding: Holding, distinct: dict[int, list]) -> l
             fixed = [(owners[0], wb) for wb, owners in groups.items()]
         covered = sum(wb.numel for wb in groups)
         exact = _tiles_exactly(list(groups), holding.sig.shape)
-        # [blocks and owners, fixed senders, elements covered, runs of the fixed blocks
-        # (computed at the first key), the list itself (kept with its id, so that the id
-        # is not reused), whether they tile the tensor]
-        got = distinct[id(holding.blocks)] = [list(groups.items()), fixed, covered, None,
+        # [blocks and owners, fixed senders, elements covered, the fixed blocks' pieces and
+        # what each sender sends, by (itemsize, kept rank) (made at the first key), the list
+        # itself (kept with its id, so that the id is not reused), whether they tile it]
+        got = distinct[id(holding.blocks)] = [list(groups.items()), fixed, covered, {},
                                               holding.blocks, exact]
     if not got[5]:
         listing = "; ".join(f"rank(s) {owners}: offset {b.offset} shape {b.shape}"
@@ -773,16 +866,25 @@ def layout_files(entries: list[Entry], max_shard: int) -> list[list[Entry]]:
     return files
 
 
+_json_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+
+
 def safetensors_header(entries: list[Entry]) -> tuple[bytes, dict[str, int]]:
     """A safetensors header for ``entries`` (in order) and each key's data offset in the file."""
-    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    # The JSON written out directly (keys escaped by json's own encoder): the same text
+    # json.dumps(separators=(",", ":")) makes of the dict, at a third of its cost -- a
+    # checkpoint of 100k tensors has a header of 100k records.
+    parts = ['{"__metadata__":{"format":"pt"}']
     offsets, pos = {}, 0
+    quote = _json_string
     for e in entries:
-        meta[e.key] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
-                       "data_offsets": [pos, pos + e.nbytes]}
+        end = pos + e.nbytes
+        shape = ",".join(map(str, e.shape))
+        parts.append(f'{quote(e.key)}:{{"dtype":"{SAFETENSORS_DTYPES[e.dtype]}",'
+                     f'"shape":[{shape}],"data_offsets":[{pos},{end}]}}')
         offsets[e.key] = pos
-        pos += e.nbytes
-    raw = json.dumps(meta, separators=(",", ":")).encode("utf-8")
+        pos = end
+    raw = (",".join(parts) + "}").encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     if len(raw) > MAX_HEADER_BYTES:
         raise ValueError(f"a file's safetensors header would be {len(raw)} bytes for "
@@ -815,9 +917,9 @@ class _Region:
     buf: torch.Tensor  # REGION_BYTES, aligned
     size: int  # the file's bytes in this region
     filled: int = 0
-    # lists of rows (src_ptr, offset in it, nbytes) copied in; only the offsets and sizes
+    # tables of rows (src_ptr, offset in it, nbytes) copied in; only the offsets and sizes
     # are used later (the sources are gone by then)
-    ranges: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    ranges: list[torch.Tensor] = field(default_factory=list)
 
 
 def _config_texts(model: nn.Module | None) -> dict[str, str]:
@@ -921,8 +1023,9 @@ class FileSink:
         self.names = [WEIGHTS_NAME] if n == 1 else [
             f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self.files: list[_direct_io.DirectFile] = []
-        # key -> (its file, its data's offset in the file)
-        self.where: dict[str, tuple[_direct_io.DirectFile, int]] = {}
+        # Per entry index: its file's number and its data's offset in that file.
+        count = sum(len(group) for group in files)
+        file_of, base_of = array.array("q", [0]) * count, array.array("q", [0]) * count
         self.weight_map: dict[str, str] = {}
         self.total = 0
         self._lock = threading.Lock()
@@ -935,7 +1038,7 @@ class FileSink:
         self._region_lock = threading.Lock()
         self.heads: dict[Any, bytes] = {}
         try:
-            for name, group in zip(self.names, files):
+            for number, (name, group) in enumerate(zip(self.names, files)):
                 head, offsets = safetensors_header(group)
                 size = len(head) + sum(e.nbytes for e in group)
                 file = _direct_io.DirectFile(os.path.join(self.stage, name), size)
@@ -944,12 +1047,16 @@ class FileSink:
                 self.heads[file] = head  # the first region's assembly starts from it
                 file.close()  # reopened when written to: a bounded number open at once
                 for e in group:
-                    self.where[e.key] = (file, offsets[e.key])
+                    file_of[e.index], base_of[e.index] = number, offsets[e.key]
                     self.weight_map[e.key] = name
                     self.total += e.nbytes
         except BaseException:
             self.abort()  # no temporary file outlives a failed start
             raise
+        self._file_of = torch.frombuffer(file_of, dtype=torch.int64) if count else \
+            torch.empty(0, dtype=torch.int64)
+        self._base_of = torch.frombuffer(base_of, dtype=torch.int64) if count else \
+            torch.empty(0, dtype=torch.int64)
 
     def _remove_stale(self, parent: str, base: str) -> None:
         """Removes what crashed exports of this directory left: stages, old temp files."""
@@ -984,61 +1091,77 @@ class FileSink:
             with self._lock:
                 self._open[file] -= 1
 
-    def write_batch(self, data: torch.Tensor, rows: list[tuple[str, int, int, int]]) -> None:
-        """Writes ``data[at : at + n]`` at ``offset`` of each row's ``(key, offset, at, n)``:
-        runs under ``SMALL_RUN`` bytes gathered per file into one native call, larger ones
-        each through :meth:`DirectFile.write` (direct where it can)."""
-        small: dict[_direct_io.DirectFile, list[tuple[int, int, int]]] = {}
-        ptr = data.data_ptr()
-        for key, offset, at, n in rows:
-            file, base = self.where[key]
-            if n < SMALL_RUN:
-                small.setdefault(file, []).append((ptr + at, base + offset, n))
-            else:
+    def write_batch(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes ``data[at : at + n]`` at ``offset`` of each row's entry (a :func:`_rows`
+        table): runs under ``SMALL_RUN`` bytes are assembled into their file's regions (a
+        few tensor operations and one native copy per region, however many runs), larger
+        ones each through :meth:`DirectFile.write` (direct where it can)."""
+        if not len(rows):
+            return
+        idx = rows[:, ROW_ENTRY]
+        offset = self._base_of[idx] + rows[:, ROW_OFFSET]
+        fid = self._file_of[idx]
+        at, n = rows[:, ROW_AT], rows[:, ROW_NBYTES]
+        small = n < SMALL_RUN
+        if not bool(small.all()):
+            for i in (~small).nonzero().flatten().tolist():
+                file, a = self.files[int(fid[i])], int(at[i])
                 with self._opened(file):
-                    file.write(base + offset, data[at : at + n])
-        for file, segments in small.items():
-            if file.direct_capable:
-                self._assemble(file, segments)
-            else:  # no direct writes here (tmpfs): one native call through the page cache
-                with self._opened(file):
-                    file.write_segments(segments)  # data is held by the caller meanwhile
+                    file.write(int(offset[i]), data[a : a + int(n[i])])
+            offset, fid, at, n = offset[small], fid[small], at[small], n[small]
+            if not len(n):
+                return
+        src = at + data.data_ptr()  # data is held by the caller until this returns
+        first, last = int(fid.min()), int(fid.max())
+        if first == last:  # a message's rows: mostly in one file
+            self._assemble(self.files[first], src, offset, n)
+            return
+        for number in torch.unique(fid).tolist():
+            mine = fid == number
+            self._assemble(self.files[number], src[mine], offset[mine], n[mine])
 
-    def _assemble(self, file: _direct_io.DirectFile,
-                  segments: list[tuple[int, int, int]]) -> None:
-        """Copies short runs ``(src_ptr, file offset, nbytes)`` into their regions (one
-        native pass per region); a region complete is written direct, whole. Regions over
-        ``ASSEMBLY_BYTES`` are spilled, oldest first, through the page cache (a region
-        shared with long runs, which go direct by themselves, completes only at the end)."""
-        # region index -> [rows (src_ptr, offset in the region, nbytes), their bytes]
-        by_region: dict[int, list] = {}
-        for ptr, offset, n in segments:
-            index, within = divmod(offset, REGION_BYTES)
-            if within + n <= REGION_BYTES:  # most runs: inside one region
-                got = by_region.get(index)
-                if got is None:
-                    got = by_region[index] = [[], 0]
-                got[0].append((ptr, within, n))
-                got[1] += n
-                continue
-            while n > 0:
-                index, within = divmod(offset, REGION_BYTES)
-                m = min(n, REGION_BYTES - within)
-                got = by_region.setdefault(index, [[], 0])
-                got[0].append((ptr, within, m))
-                got[1] += m
-                ptr, offset, n = ptr + m, offset + m, n - m
-        through_cache: list[tuple[int, int, int]] = []
+    def _assemble(self, file: _direct_io.DirectFile, src: torch.Tensor, offset: torch.Tensor,
+                  n: torch.Tensor) -> None:
+        """Copies short runs (``src`` pointers, file ``offset``, ``n`` bytes: int64 vectors)
+        into their regions (one native pass per region); a region complete is written
+        whole, direct where the filesystem takes it (through the page cache elsewhere, one
+        write instead of a syscall per run). Regions over ``ASSEMBLY_BYTES`` are spilled,
+        oldest first, through the page cache (a region shared with long runs, which go
+        direct by themselves, completes only at the end)."""
+        index = torch.div(offset, REGION_BYTES, rounding_mode="floor")
+        within = offset - index * REGION_BYTES
+        over = within + n - REGION_BYTES
+        cross = over > 0
+        if bool(cross.any()):  # a run over a region's end: its tail starts the next one
+            tail = over[cross]  # (runs are under SMALL_RUN <= REGION_BYTES: one boundary)
+            head = n - over.clamp(min=0)
+            src = torch.cat((src, src[cross] + head[cross]))
+            index = torch.cat((index, index[cross] + 1))
+            within = torch.cat((within, torch.zeros_like(tail)))
+            n = torch.cat((head, tail))
+        table = torch.stack((src, within, n), 1)
+        if len(index) > 1 and not bool((index[1:] >= index[:-1]).all()):
+            order = torch.argsort(index, stable=True)
+            index, table = index[order], table[order]
+        regions, counts = torch.unique_consecutive(index, return_counts=True)
+        ends = counts.cumsum(0)
+        totals = table[:, 2].cumsum(0)[ends - 1]
+        totals[1:] -= totals[:-1].clone()
+        through_cache: list[torch.Tensor] = []
         complete: list[tuple[int, _Region]] = []
         with self._region_lock:
-            for index, (rows, nbytes) in by_region.items():
-                key = (file, index)
+            begin = 0
+            for index_i, end, nbytes in zip(regions.tolist(), ends.tolist(), totals.tolist()):
+                rows, begin = table[begin:end], end
+                key = (file, index_i)
                 if key in self._spilled:
-                    through_cache.extend((p, index * REGION_BYTES + w, m) for p, w, m in rows)
+                    spilled = rows.clone()
+                    spilled[:, 1] += index_i * REGION_BYTES
+                    through_cache.append(spilled)
                     continue
                 region = self._regions.get(key)
                 if region is None:
-                    region = self._regions[key] = self._new_region(file, index)
+                    region = self._regions[key] = self._new_region(file, index_i)
                 else:
                     self._regions.move_to_end(key)
                 _native.pack_segments(region.buf, rows)  # the sources: held by the caller
@@ -1046,7 +1169,7 @@ class FileSink:
                 region.ranges.append(rows)  # (their pointers are not kept valid: unused)
                 if region.filled >= region.size:
                     del self._regions[key]
-                    complete.append((index, region))
+                    complete.append((index_i, region))
             evicted = []
             while len(self._regions) * REGION_BYTES > ASSEMBLY_BYTES:
                 key, region = self._regions.popitem(last=False)
@@ -1054,13 +1177,13 @@ class FileSink:
                 evicted.append((key, region))
         if through_cache:
             with self._opened(file):
-                file.write_segments(through_cache)
-        for index, region in complete:
+                file.write_segments(torch.cat(through_cache))
+        for index_i, region in complete:
             with self._opened(file):
-                file.write(index * REGION_BYTES, region.buf[: region.size])
+                file.write(index_i * REGION_BYTES, region.buf[: region.size])
             self._release_region(region)
-        for (other, index), region in evicted:
-            self._spill(other, index, region)
+        for (other, index_i), region in evicted:
+            self._spill(other, index_i, region)
 
     def _new_region(self, file: _direct_io.DirectFile, index: int) -> _Region:
         buf = self._spare.pop() if self._spare else _direct_io.aligned_empty(REGION_BYTES)
@@ -1071,7 +1194,7 @@ class FileSink:
             part = head[start : start + REGION_BYTES]
             buf[: len(part)].copy_(torch.frombuffer(bytearray(part), dtype=torch.uint8))
             region.filled = len(part)
-            region.ranges.append([(0, 0, len(part))])
+            region.ranges.append(torch.tensor([[0, 0, len(part)]], dtype=torch.int64))
         return region
 
     def _release_region(self, region: _Region) -> None:
@@ -1081,10 +1204,11 @@ class FileSink:
 
     def _spill(self, file: _direct_io.DirectFile, index: int, region: _Region) -> None:
         """Writes what a region holds through the page cache (it will not be written direct)."""
-        ptr, start = region.buf.data_ptr(), index * REGION_BYTES
+        ranges = torch.cat(region.ranges)
+        within, n = ranges[:, 1], ranges[:, 2]
+        table = torch.stack((within + region.buf.data_ptr(), within + index * REGION_BYTES, n), 1)
         with self._opened(file):
-            file.write_segments([(ptr + w, start + w, m)
-                                 for rows in region.ranges for _p, w, m in rows])
+            file.write_segments(table)
         self._release_region(region)
 
     def _flush_regions(self) -> None:
@@ -1094,11 +1218,10 @@ class FileSink:
         for (file, index), region in left:
             self._spill(file, index, region)
 
-    def address_shift(self, key: str, offset: int) -> int:
-        """Where a receive buffer for bytes at ``offset`` of ``key`` should start (mod
-        ``ALIGN``) for its bytes to be written direct without a copy."""
-        _file, base = self.where[key]
-        return (base + offset) % _direct_io.ALIGN
+    def address_shift(self, index: int, offset: int) -> int:
+        """Where a receive buffer for bytes at ``offset`` of entry ``index`` should start
+        (mod ``ALIGN``) for its bytes to be written direct without a copy."""
+        return (int(self._base_of[index]) + offset) % _direct_io.ALIGN
 
     @property
     def direct_bytes(self) -> int:
@@ -1197,23 +1320,30 @@ class MemorySink:
     """Full CPU tensors on dst, filled in place."""
 
     def __init__(self, entries: list[Entry], model: nn.Module | None = None) -> None:
+        assert all(e.index == i for i, e in enumerate(entries)), "entries out of plan order"
+        self.keys = [e.key for e in entries]
         self.tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
-        self.flat = {k: t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
-                     for k, t in self.tensors.items()}
+        # Per entry index: where its bytes start and how many it has (a table's rows index
+        # these; the tensors above own the memory).
+        self._ptr = torch.tensor([t.data_ptr() for t in self.tensors.values()],
+                                 dtype=torch.int64)
+        self._size = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
 
-    def write_batch(self, data: torch.Tensor, rows: list[tuple[str, int, int, int]]) -> None:
-        """Copies ``data[at : at + n]`` to ``offset`` of each row's ``(key, offset, at, n)``
-        tensor, in one native pass (bounds checked here: the rows come from the plan)."""
-        segments = []
-        for key, offset, at, n in rows:
-            flat = self.flat[key]
-            if offset < 0 or offset + n > flat.numel() or at + n > data.numel():
-                raise ValueError(f"{key!r}: bytes [{offset}, {offset + n}) lie outside its "
-                                 f"{flat.numel()} bytes")
-            segments.append((flat.data_ptr() + offset, at, n))
-        _native.unpack_segments(data, segments)
+    def write_batch(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copies ``data[at : at + n]`` to ``offset`` of each row's entry (a :func:`_rows`
+        table), in one native pass (bounds checked here: the rows come from the plan)."""
+        if not len(rows):
+            return
+        idx, offset, at, n = rows.unbind(1)
+        bad = (offset < 0) | (offset + n > self._size[idx]) | (at + n > data.numel())
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            k, o, m = int(idx[i]), int(offset[i]), int(n[i])
+            raise ValueError(f"{self.keys[k]!r}: bytes [{o}, {o + m}) lie outside its "
+                             f"{int(self._size[k])} bytes")
+        _native.unpack_segments(data, torch.stack((self._ptr[idx] + offset, at, n), 1))
 
-    def address_shift(self, key: str, offset: int) -> int:
+    def address_shift(self, index: int, offset: int) -> int:
         """Any address will do: the bytes are copied into place."""
         return 0
 
@@ -1237,11 +1367,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _piece_tensor(state: dict[str, torch.Tensor], piece: Piece) -> torch.Tensor:
+def _piece_tensor(state: dict[str, torch.Tensor], entry: Entry, piece: Piece) -> torch.Tensor:
     """A piece's elements as a contiguous tensor, in the written tensor's row-major order, on
     the device they live on: the local block itself where the piece is all of it, a view
     where they are contiguous in it, else one contiguous copy of the piece (never of more)."""
-    t = _local(state[piece.source])
+    t = _local(state[piece.source or entry.source])
     if t.requires_grad:
         t = t.detach()
     if piece.local is not None:
@@ -1256,21 +1386,30 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _rows(message: list[Segment], at: int = 0) -> list[tuple[str, int, int, int]]:
-    """Where a message's bytes go: ``(key, offset in the written tensor, offset in the
-    message, nbytes)`` for each contiguous run (one per segment, mostly); ``at``: where the
-    first segment starts in the message. Computed per message from each piece's
-    :class:`Runs`: at most a message's worth of rows exists at a time."""
-    rows = []
+# Columns of a row table (:func:`_rows`): which entry, where in it, where in the message, how
+# many bytes. A table, not a list of tuples: a sink maps a message of a thousand small pieces
+# to file offsets and copies them with a few tensor operations and one native call.
+ROW_ENTRY, ROW_OFFSET, ROW_AT, ROW_NBYTES = range(4)
+
+
+def _rows(message: list[Segment], at: int = 0) -> torch.Tensor:
+    """Where a message's bytes go: an int64 table of ``(entry index, offset in the written
+    tensor, offset in the message, nbytes)``, one row per contiguous run (one per segment,
+    mostly); ``at``: where the first segment starts in the message. Computed per message
+    from each piece's :class:`Runs`: at most a message's worth of rows exists at a time."""
+    flat = array.array("q")
     for e, p, start, n in message:
         runs = p.runs(e)
         if not runs.counts:  # most pieces: one run, no search
-            rows.append((e.key, runs.base + start, at, n))
+            flat.extend((e.index, runs.base + start, at, n))
         else:
-            key = e.key
-            rows.extend((key, offset, a, m) for offset, a, m in runs.pieces(start, n, at))
+            i = e.index
+            for offset, a, m in runs.pieces(start, n, at):
+                flat.extend((i, offset, a, m))
         at += n
-    return rows
+    if not flat:
+        return torch.empty((0, 4), dtype=torch.int64)
+    return torch.frombuffer(flat, dtype=torch.int64).reshape(-1, 4)  # keeps ``flat`` alive
 
 
 class _PinnedSlots:
@@ -1299,7 +1438,7 @@ def _placement(sink: Any, message: list[Segment]) -> int:
     offset's of its first byte, where that starts a run), else 0."""
     e, p, start, _n = message[0]
     runs = p.runs(e)
-    return sink.address_shift(e.key, runs.base + start) if not runs.counts else 0
+    return sink.address_shift(e.index, runs.base + start) if not runs.counts else 0
 
 
 def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]) -> bool:
@@ -1307,7 +1446,7 @@ def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piec
     (A DTensor is on its local shard's device.)"""
     if not torch.cuda.is_initialized():  # no tensor can be on a GPU: skip the walk
         return False
-    return any(state[p.source].is_cuda for _e, p in pieces)
+    return any(state[p.source or e.source].is_cuda for e, p in pieces)
 
 
 # A message: the (entry, piece, start, nbytes) segments it carries, back to back.
@@ -1372,25 +1511,27 @@ class _Stager:
                  pinned: _PinnedSlots | None) -> None:
         self.state, self.chunk, self.link, self.pinned = state, chunk, link, pinned
         self.failure: BaseException | None = None
-        self.current: tuple[Piece | None, torch.Tensor | None] = (None, None)
+        # The last piece read (a large one spans several messages), with its entry: one
+        # Piece object serves every entry of a signature.
+        self.current: tuple[Entry | None, Piece | None, torch.Tensor | None] = (None, None, None)
         self.zeros: torch.Tensor | None = None
         self.zeros_filled = False
         self.dev_slots: torch.Tensor | None = None
         self.host_slots: torch.Tensor | None = None
 
-    def _bytes(self, p: Piece) -> torch.Tensor | None:
+    def _bytes(self, e: Entry, p: Piece) -> torch.Tensor | None:
         """The piece as a contiguous tensor (of its own dtype: a byte view is only made where
         one is sliced), or None once a piece failed to read."""
         if self.failure is not None:
             return None
-        if self.current[0] is p:  # a large piece, over several messages
-            return self.current[1]
+        if self.current[1] is p and self.current[0] is e:  # a large piece, over messages
+            return self.current[2]
         try:
-            data = _piece_tensor(self.state, p)
+            data = _piece_tensor(self.state, e, p)
         except BaseException as exc:  # noqa: BLE001 - agreed after the stream ends
             self.failure = exc
             return None
-        self.current = (p, data)
+        self.current = (e, p, data)
         return data
 
     def reserve(self, messages: list[list[Segment]]) -> None:
@@ -1400,8 +1541,8 @@ class _Stager:
             return
         packed = any(len(m) > 1 for m in messages)
         if self.link.type == "cuda":
-            if packed or any(not _local(self.state[p.source]).is_cuda
-                             for m in messages for _e, p, _s, _n in m):
+            if packed or any(not _local(self.state[p.source or e.source]).is_cuda
+                             for m in messages for e, p, _s, _n in m):
                 self.dev_slots = torch.empty((3, self.chunk), dtype=torch.uint8,
                                              device=self.link)
             return
@@ -1441,7 +1582,7 @@ class _Stager:
         """The message's bytes, and what must stay alive while they are read (a piece's own
         memory sent without a copy). ``shift``: the address alignment wanted of a slot."""
         n = _message_nbytes(message)
-        sources = [self._bytes(p) for _e, p, _s, _n in message]
+        sources = [self._bytes(e, p) for e, p, _s, _n in message]
         if self.failure is not None:
             return self._failed_bytes(slot, n), None
         if len(message) == 1 and sources[0].device.type == self.link.type:
@@ -1755,10 +1896,13 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         # on every rank, not by that rank alone.
         state, model = resolve_state(model_or_state)
         recorded = recorded_plan(model) if model is not None else None
-        described = describe_state(state, None if recorded is None else astuple(recorded))
+        # Each key's local block, looked up once here: the transfer reads these.
+        local: dict[str, torch.Tensor] = {}
+        described = describe_state(state, None if recorded is None else astuple(recorded),
+                                   local)
         described.args = _Args(dst, chunk, extra_args)
-        held.update(state=state, model=model, chunk=chunk)
-        return described
+        held.update(local=local, model=model, chunk=chunk, described=described)
+        return described.summary()
 
     if not runtime.is_initialized():
         _require_group_if_launched(what)
@@ -1766,9 +1910,9 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             raise ValueError(f"{what}: dst={dst}, but there is no process group: the one "
                              "process is rank 0 (pass dst=0, or set the group up first)")
         held: dict[str, Any] = {}
-        described = describe(held)
-        state, model = held["state"], held["model"]
-        entries = plan([described], model, 0, [0])
+        describe(held)
+        state, model = held["local"], held["model"]
+        entries = plan([held["described"]], model, 0, [0])
         sink = make_sink(entries, model)
         prepared = None
         try:
@@ -1786,7 +1930,8 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     ctx = _agree.resolve_group(group, what)
     with _watch.DeferredInterrupts() as deferred:
         held = {}
-        described = all_reduce(f"{what}: metadata", lambda: describe(held), list, group)
+        summaries = all_reduce(f"{what}: metadata", lambda: describe(held), list, group)
+        described = resolve_described(summaries, held["described"], what, group)
         # From here on every rank computes the same from the same metadata: an error below is
         # raised by every rank alike.
         _check_args(described, ctx, what)
@@ -1794,7 +1939,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         if dst_rank is None:
             raise ValueError(f"{what}: dst={dst} is not a member of the group (global ranks "
                              f"{ctx.ranks}); pass the global rank of one of them")
-        state, model, chunk = held["state"], held["model"], held["chunk"]
+        state, model, chunk = held["local"], held["model"], held["chunk"]
         # A sender makes only its own pieces; dst all of them (it lays out the files).
         entries = plan(described, model, dst_rank, ctx.ranks,
                        None if ctx.rank == dst_rank else ctx.rank)

@@ -572,11 +572,11 @@ def _sender_fails_mid_stream(out):
     if r == 1:
         real, calls = E._piece_tensor, []
 
-        def flaky(state, piece):
+        def flaky(state, entry, piece):
             calls.append(1)
             if len(calls) == 3:
                 raise RuntimeError("shard 3 is unreadable")
-            return real(state, piece)
+            return real(state, entry, piece)
 
         E._piece_tensor = flaky
     state = {f"r{r}.w{i}": torch.full((40_000,), float(i)) for i in range(6)}
@@ -691,11 +691,11 @@ def _export_killed_mid_transfer(out, victim, death_file):
         else:  # a sender: on its third shard
             real_local = E._piece_tensor
 
-            def local(state, piece):
+            def local(state, entry, piece):
                 calls.append(1)
                 if len(calls) == 3:
                     die()
-                return real_local(state, piece)
+                return real_local(state, entry, piece)
 
             E._piece_tensor = local
     state = {f"r{r}.w{i}": torch.full((2 * 2**20,), float(i)) for i in range(6)}  # 8 MiB each
@@ -740,7 +740,7 @@ def test_plan_messages_packs_small_pieces_and_never_plans_an_empty_message(sizes
     items = []
     for i, n in enumerate(sizes):
         e = E.Entry(f"k{i}", torch.uint8, (n,))
-        p = E.Piece(e.key, 1, E.Block((0,), (n,)), e.key)
+        p = E.Piece(1, E.Block((0,), (n,)), e.key)
         e.pieces.append(p)
         items.append((e, p))
     messages = E.plan_messages(items, chunk)
@@ -1213,3 +1213,83 @@ def test_missing_parents_are_made_and_a_symlinked_directory_keeps_its_link(tmp_p
     assert link.is_symlink() and (link / "tokenizer.json").exists()
     assert sorted(_read_checkpoint(str(link))) == sorted(
         f"r{r}.w{i}" for r in range(2) for i in range(4))
+
+
+# -- the sinks' row tables: one process, checked against the bytes they should hold ----------
+
+
+def _random_rows(entries, seed, max_run=3000):
+    """Every byte of ``entries`` as rows ``(index, offset, at, n)`` over one message, in a
+    shuffled order (so that runs cross regions, files and each other's order)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, at = [], 0
+    for e in entries:
+        off = 0
+        while off < e.nbytes:
+            n = min(e.nbytes - off, int(torch.randint(1, max_run, (1,), generator=g)))
+            rows.append((e.index, off, at, n))
+            off, at = off + n, at + n
+    order = torch.randperm(len(rows), generator=g).tolist()
+    return [rows[i] for i in order], at
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_file_sink_writes_a_shuffled_row_table_exactly(tmp_path, monkeypatch, direct):
+    # Small regions, so that a few KiB of tensors span many of them and runs cross their
+    # ends; two files; rows in random order and long runs among the short ones.
+    monkeypatch.setattr(E, "REGION_BYTES", 4096)
+    monkeypatch.setattr(E, "SMALL_RUN", 2048)
+    if not direct:
+        monkeypatch.setattr(E._direct_io, "on_ram_filesystem", lambda path: True)
+    shapes = [(1000,), (3, 777), (), (0, 4), (5000,), (17,)]
+    entries = [E.Entry(f"t{i}", torch.float32, s, index=i) for i, s in enumerate(shapes)]
+    tensors = [torch.randn(s, generator=torch.Generator().manual_seed(i))
+               for i, s in enumerate(shapes)]
+    rows, total = _random_rows(entries, seed=1)
+    data = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors] + [
+        torch.empty(0, dtype=torch.uint8)])
+    # ``data`` holds the entries back to back; the rows name their bytes in that layout.
+    starts = list(itertools.accumulate([0] + [e.nbytes for e in entries[:-1]]))
+    table = torch.tensor([(i, off, starts[i] + off, n) for i, off, _at, n in rows],
+                         dtype=torch.int64)
+    assert data.numel() == total
+    sink = E.FileSink(str(tmp_path / "ckpt"), [entries[:3], entries[3:]])
+    for part in table.split(7):  # several batches, as messages arrive
+        sink.write_batch(data, part.contiguous())
+    sink.commit()
+    got = {}
+    for name in sorted(os.listdir(tmp_path / "ckpt")):
+        if name.endswith(".safetensors"):
+            got.update(safetensors_torch.load_file(str(tmp_path / "ckpt" / name)))
+    assert sorted(got) == sorted(e.key for e in entries)
+    for e, t in zip(entries, tensors):
+        assert torch.equal(got[e.key], t), e.key
+
+
+def test_memory_sink_checks_every_row_against_its_entry():
+    entries = [E.Entry("a", torch.float32, (4,), index=0), E.Entry("b", torch.int8, (3,), index=1)]
+    sink = E.MemorySink(entries)
+    data = torch.arange(19, dtype=torch.uint8)
+    sink.write_batch(data, torch.tensor([[1, 0, 16, 3], [0, 0, 0, 16]], dtype=torch.int64))
+    assert sink.tensors["b"].tolist() == [16, 17, 18]
+    assert sink.tensors["a"].view(torch.uint8).tolist() == list(range(16))
+    with pytest.raises(ValueError, match="'b': bytes \\[1, 4\\) lie outside its 3 bytes"):
+        sink.write_batch(data, torch.tensor([[1, 1, 0, 3]], dtype=torch.int64))
+
+
+def test_the_header_is_the_json_safetensors_writes():
+    # Quotes, backslashes, non-ASCII, a scalar, an empty tensor: the text json.dumps makes
+    # of the same header dict, which safetensors parses back.
+    specs = [("a.b", torch.float32, (3, 4)), ('we"ird\\kéy', torch.bfloat16, ()),
+             ("ünï", torch.int8, (0, 5)), ("x" * 300, torch.float64, (1,))]
+    entries = [E.Entry(k, d, s, index=i) for i, (k, d, s) in enumerate(specs)]
+    head, offsets = E.safetensors_header(entries)
+    meta, pos = {"__metadata__": {"format": "pt"}}, 0
+    for e in entries:
+        meta[e.key] = {"dtype": E.SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                       "data_offsets": [pos, pos + e.nbytes]}
+        pos += e.nbytes
+    text = json.dumps(meta, separators=(",", ":"))
+    assert head[8:].rstrip(b" ").decode() == text
+    assert int.from_bytes(head[:8], "little") == len(head) - 8 and len(head) % 8 == 0
+    assert offsets["a.b"] == len(head)
