@@ -47,7 +47,7 @@ import shutil
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -259,7 +259,7 @@ def describe_state(state: dict[str, Any], plan: tuple | None = None,
     """
     dtensor = _dtensor_type()
     # (dtype, shape, placements, id(mesh)) -> (signature index, this rank's local shape)
-    sigs: dict[Any, tuple[int, tuple[int, ...] | None]] = {}
+    sigs: dict[Any, tuple[int, torch.Size | None]] = {}
     table: list[Signature] = []
     ids = array.array("i")
     blocks = {} if local is None else local
@@ -269,9 +269,12 @@ def describe_state(state: dict[str, Any], plan: tuple | None = None,
         if kind is dtensor:  # (exactly: a subclass takes the checked path below)
             spec = t._spec
             block = t._local_tensor
-            got = sigs.get((t.dtype, spec.shape, spec.placements, id(spec.mesh)))
+            meta = spec.tensor_meta  # dtype and shape without a call into the dispatcher
+            sig_key = (meta.dtype, meta.shape, spec.placements, id(spec.mesh)) \
+                if meta is not None else (t.dtype, t.shape, spec.placements, id(spec.mesh))
+            got = sigs.get(sig_key)
             if got is None:
-                got = _describe_dtensor(key, t, sigs, table)
+                got = sigs[sig_key] = _describe_dtensor(key, t, table)
             if block.is_conj() or block.is_neg() or (got[1] is not None
                                                      and block.shape != got[1]):
                 _refuse_block(key, block, got[1])
@@ -279,7 +282,7 @@ def describe_state(state: dict[str, Any], plan: tuple | None = None,
             block = t
             got = sigs.get((t.dtype, t.shape))
             if got is None:
-                got = _describe_plain(key, t, sigs, table)
+                got = sigs[(t.dtype, t.shape)] = _describe_plain(key, t, table)
             if block.layout is not strided or block.is_meta or block.is_conj() or block.is_neg():
                 _refuse_block(key, block, None)
         else:
@@ -290,13 +293,14 @@ def describe_state(state: dict[str, Any], plan: tuple | None = None,
             block = _local(t)
             if dtensor is not None and isinstance(t, dtensor):
                 spec = t._spec
-                got = sigs.get((t.dtype, spec.shape, spec.placements, id(spec.mesh)))
+                sig_key = (t.dtype, t.shape, spec.placements, id(spec.mesh))
+                got = sigs.get(sig_key)
                 if got is None:
-                    got = _describe_dtensor(key, t, sigs, table)
+                    got = sigs[sig_key] = _describe_dtensor(key, t, table)
             else:
                 got = sigs.get((t.dtype, t.shape))
                 if got is None:
-                    got = _describe_plain(key, t, sigs, table)
+                    got = sigs[(t.dtype, t.shape)] = _describe_plain(key, t, table)
                 if block.layout is not strided or block.is_meta:
                     _refuse_block(key, block, None)
             if block.is_conj() or block.is_neg() or (got[1] is not None
@@ -313,9 +317,10 @@ def _check_dtype(key: str, t: torch.Tensor) -> None:
                         "store; convert it with .to(...) first")
 
 
-def _describe_dtensor(key: str, t: Any, sigs: dict, table: list[Signature]
-                      ) -> tuple[int, tuple[int, ...] | None]:
-    """A DTensor signature seen for the first time: checked, added to ``table``."""
+def _describe_dtensor(key: str, t: Any, table: list[Signature]
+                      ) -> tuple[int, torch.Size | None]:
+    """A DTensor signature seen for the first time: checked, added to ``table``; returns its
+    index and this rank's expected local shape (None where this rank holds none)."""
     _check_dtype(key, t)
     spec = t._spec
     mesh = spec.mesh
@@ -323,18 +328,15 @@ def _describe_dtensor(key: str, t: Any, sigs: dict, table: list[Signature]
     ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
     sig = Signature(_dtype_name(t.dtype), tuple(spec.shape), codes, ranks, tuple(mesh.mesh.shape))
     expected = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[1]
-    got = sigs[(t.dtype, spec.shape, spec.placements, id(mesh))] = (len(table), expected)
     table.append(sig)
-    return got
+    return len(table) - 1, None if expected is None else torch.Size(expected)
 
 
-def _describe_plain(key: str, t: torch.Tensor, sigs: dict, table: list[Signature]
-                    ) -> tuple[int, None]:
+def _describe_plain(key: str, t: torch.Tensor, table: list[Signature]) -> tuple[int, None]:
     """A plain tensor's signature seen for the first time: checked, added to ``table``."""
     _check_dtype(key, t)
-    got = sigs[(t.dtype, t.shape)] = (len(table), None)
     table.append(Signature(_dtype_name(t.dtype), tuple(t.shape)))
-    return got
+    return len(table) - 1, None
 
 
 def _refuse_block(key: str, block: torch.Tensor, expected: tuple[int, ...] | None) -> None:
@@ -348,7 +350,7 @@ def _refuse_block(key: str, block: torch.Tensor, expected: tuple[int, ...] | Non
                          "holds other values than it reads as; call .resolve_conj() / "
                          ".resolve_neg() on it first")
     raise ValueError(f"state[{key!r}]: its local shard has shape {tuple(block.shape)}, but "
-                     f"its placements say {expected}")
+                     f"its placements say {None if expected is None else tuple(expected)}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -396,6 +398,7 @@ class Piece:
 
     rank: int  # group rank
     block: Block
+    nbytes: int  # the block's bytes
     source: str = ""
     local: tuple[slice, ...] | None = None
     perm: tuple[int, ...] | None = None
@@ -580,7 +583,8 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
                 covered += wb.numel
                 if keep is None or sender == keep:
                     local, perm = _local_view(part, held, lo, hi)
-                    entry.pieces.append(Piece(sender, wb, part.source, local, perm))
+                    entry.pieces.append(Piece(sender, wb, wb.numel * itemsize, part.source,
+                                              local, perm))
         _check_covered(entry, covered)
         entries.append(entry)
     return entries
@@ -602,7 +606,7 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
         shared = got[3].get((itemsize, keep))
         if shared is None:
             runs = [_piece_runs(wb, entry.shape, itemsize) for _s, wb in fixed]
-            pieces = [Piece(sender, wb, _runs=wb_runs)
+            pieces = [Piece(sender, wb, wb.numel * itemsize, _runs=wb_runs)
                       for (sender, wb), wb_runs in zip(fixed, runs)
                       if keep is None or sender == keep]
             sends = [(sender, wb.numel * itemsize) for sender, wb in fixed
@@ -614,14 +618,15 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
         if share:
             entry.pieces, entry.source = pieces, source
         else:
-            entry.pieces.extend(Piece(p.rank, p.block, source, _runs=p._runs) for p in pieces)
+            entry.pieces.extend(Piece(p.rank, p.block, p.nbytes, source, _runs=p._runs)
+                                for p in pieces)
         return covered
     for wb, owners in groups_list:
         sender = _choose_sender(owners, dst_rank, load)
         if sender != dst_rank:
             load[sender] += wb.numel * itemsize
         if keep is None or sender == keep:
-            entry.pieces.append(Piece(sender, wb, source))
+            entry.pieces.append(Piece(sender, wb, wb.numel * itemsize, source))
     return covered
 
 
@@ -1199,7 +1204,7 @@ class FileSink:
 
     def _release_region(self, region: _Region) -> None:
         with self._region_lock:
-            if len(self._spare) < 4:
+            if len(self._spare) < 64:
                 self._spare.append(region.buf)
 
     def _spill(self, file: _direct_io.DirectFile, index: int, region: _Region) -> None:
@@ -1441,48 +1446,55 @@ def _placement(sink: Any, message: list[Segment]) -> int:
     return sink.address_shift(e.index, runs.base + start) if not runs.counts else 0
 
 
-def _needs_pinned(state: dict[str, torch.Tensor], pieces: list[tuple[Entry, Piece]]) -> bool:
-    """Whether any of these pieces' bytes live on a GPU (only then is pinned memory taken).
+def _needs_pinned(state: dict[str, torch.Tensor], messages: list[list[Segment]]) -> bool:
+    """Whether any of these messages' bytes live on a GPU (only then is pinned memory taken).
     (A DTensor is on its local shard's device.)"""
     if not torch.cuda.is_initialized():  # no tensor can be on a GPU: skip the walk
         return False
-    return any(state[p.source or e.source].is_cuda for e, p in pieces)
+    return any(state[p.source or e.source].is_cuda for m in messages for e, p, _s, _n in m)
 
 
 # A message: the (entry, piece, start, nbytes) segments it carries, back to back.
 Segment = tuple[Entry, Piece, int, int]
 
 
-def plan_messages(items: list[tuple[Entry, Piece]], chunk: int) -> list[list[Segment]]:
-    """How one rank's pieces travel, computed alike by a sender and dst (and by dst for its
-    own pieces on their way to the files).
+def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int,
+                  world: int | None = None) -> Any:
+    """How pieces travel, computed alike by a sender and dst (and by dst for its own pieces
+    on their way to the files).
 
     A piece of at least ``chunk`` bytes goes alone, in messages of ``chunk`` bytes (sent from
     its own memory); smaller pieces are packed back to back into messages of up to
     ``PACK_BYTES`` (1 MiB), so that a model of 100k small tensors costs a few messages, not
     100k, and dst writes one while the sender packs the next.
+
+    ``world`` None: ``items`` are one rank's pieces; returns their messages. Else every
+    rank's pieces, in plan order; returns each group rank's messages (a list per rank), in
+    one pass -- dst plans every sender's stream.
     """
-    out: list[list[Segment]] = []
-    packed: list[Segment] = []
-    used = 0
+    # Per rank: [its messages, the message being packed, its bytes so far]
+    streams: list[list[Any]] = [[[], [], 0] for _ in range(world or 1)]
     # Packed messages stay small enough that a receiver writes one while the next is packed.
     cap = min(chunk, PACK_BYTES)
     for e, p in items:
-        n = p.block.numel * e.dtype.itemsize
+        n = p.nbytes
         if n == 0:
             continue
+        stream = streams[p.rank if world else 0]
         if n >= chunk:
-            for s in range(0, n, chunk):
-                out.append([(e, p, s, min(chunk, n - s))])
+            stream[0].extend([(e, p, s, min(chunk, n - s))] for s in range(0, n, chunk))
             continue
-        if packed and used + n > cap:
-            out.append(packed)
-            packed, used = [], 0
+        packed = stream[1]
+        if packed and stream[2] + n > cap:
+            stream[0].append(packed)
+            packed = stream[1] = []
+            stream[2] = 0
         packed.append((e, p, 0, n))
-        used += n
-    if packed:
-        out.append(packed)
-    return out
+        stream[2] += n
+    for stream in streams:
+        if stream[1]:
+            stream[0].append(stream[1])
+    return streams[0][0] if world is None else [stream[0] for stream in streams]
 
 
 def _message_nbytes(message: list[Segment]) -> int:
@@ -1581,6 +1593,10 @@ class _Stager:
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The message's bytes, and what must stay alive while they are read (a piece's own
         memory sent without a copy). ``shift``: the address alignment wanted of a slot."""
+        if len(message) > 1 and self.link.type == "cpu" and self.failure is None:
+            packed = self._pack_whole_blocks(message, slot, shift)
+            if packed is not None:
+                return packed, None
         n = _message_nbytes(message)
         sources = [self._bytes(e, p) for e, p, _s, _n in message]
         if self.failure is not None:
@@ -1606,6 +1622,30 @@ class _Stager:
                 out[at : at + m].copy_(_flat_bytes(d)[s : s + m])
                 at += m
         return out, None
+
+    def _pack_whole_blocks(self, message: list[Segment], slot: int, shift: int
+                           ) -> torch.Tensor | None:
+        """Packs a message of small pieces that are each a whole, contiguous host block (a
+        model's small tensors): their bytes are their own memory, so there is nothing to
+        read that can fail, and one table goes to the compiled core. None, with nothing
+        done, where any piece is something else (the general path then reads it)."""
+        rows = array.array("q")
+        at = 0
+        state = self.state
+        for e, p, s, m in message:
+            if p.local is not None:
+                return None
+            t = state[p.source or e.source]
+            kind = type(t)
+            if (kind is not torch.Tensor and kind is not nn.Parameter) or not t.is_cpu \
+                    or not t.is_contiguous():
+                return None
+            rows.extend((t.data_ptr() + s, at, m))
+            at += m
+        out = self._slot(slot, at, shift)
+        # The blocks are held by ``state`` while the copy runs (it returns once done).
+        _native.pack_segments(out, torch.frombuffer(rows, dtype=torch.int64).reshape(-1, 3))
+        return out
 
     def abandon(self) -> tuple:
         """What a transport may still read after a peer failed (kept, never freed)."""
@@ -1656,13 +1696,16 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     me = 0 if ctx is None else ctx.rank
     link = torch.device("cpu") if ctx is None else ctx.device
     on_device = link.type == "cuda"  # NCCL: what crosses the link is device memory
-    by_rank: dict[int, list[tuple[Entry, Piece]]] = {}
-    for e in entries:
-        for p in e.pieces:
-            by_rank.setdefault(p.rank, []).append((e, p))
-    mine = by_rank.get(me, [])
-    gpu_shards = _needs_pinned(state, mine)  # any of this rank's pieces on a GPU
-    messages = plan_messages(mine, chunk)
+    world = 1 if ctx is None else ctx.size
+    # Every rank's messages on dst (it receives them all); a sender's own only.
+    pairs = ((e, p) for e in entries for p in e.pieces)
+    if me == dst_rank:
+        streams = plan_messages(pairs, chunk, world)
+    else:
+        streams = [[] for _ in range(world)]
+        streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
+    messages = streams[me]
+    gpu_shards = _needs_pinned(state, messages)  # any of this rank's pieces on a GPU
     pinned = None
     try:
         if me != dst_rank:
@@ -1677,10 +1720,10 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         stager = _Stager(state, chunk, torch.device("cpu"), pinned)
         stager.reserve(messages)
         prepared = _Prepared(messages, stager, pinned, gpu_shards)
-        for r, items in by_rank.items():
-            if r == me:
+        for r, planned in enumerate(streams):
+            if r == me or not planned:
                 continue
-            prepared.plans[r] = collections.deque(plan_messages(items, chunk))
+            prepared.plans[r] = collections.deque(planned)
             if on_device:
                 prepared.free[r] = list(torch.empty((2, chunk), dtype=torch.uint8, device=link))
             else:

@@ -740,7 +740,7 @@ def test_plan_messages_packs_small_pieces_and_never_plans_an_empty_message(sizes
     items = []
     for i, n in enumerate(sizes):
         e = E.Entry(f"k{i}", torch.uint8, (n,))
-        p = E.Piece(1, E.Block((0,), (n,)), e.key)
+        p = E.Piece(1, E.Block((0,), (n,)), n, e.key)
         e.pieces.append(p)
         items.append((e, p))
     messages = E.plan_messages(items, chunk)
@@ -1293,3 +1293,67 @@ def test_the_header_is_the_json_safetensors_writes():
     assert head[8:].rstrip(b" ").decode() == text
     assert int.from_bytes(head[:8], "little") == len(head) - 8 and len(head) % 8 == 0
     assert offsets["a.b"] == len(head)
+
+
+def _described_refusals():
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    good = DTensor.from_local(torch.ones(4), mesh, [Shard(0)])
+    cases = {
+        "shard shape": DTensor.from_local(torch.ones(3), mesh, [Shard(0)], run_check=False,
+                                          shape=torch.Size([4]), stride=(1,)),
+        "negated shard": DTensor.from_local(torch.ones(4, dtype=torch.complex64).conj().imag,
+                                            mesh, [Shard(0)]),
+        "sparse": torch.ones(3).to_sparse(),
+        "meta": torch.empty(3, device="meta"),
+        "not a tensor": 3.0,
+        "dtype": torch.ones(2, dtype=torch.complex128),
+    }
+    out = {}
+    for name, bad in cases.items():
+        # After entries of the same signature, so that a check made once per signature
+        # cannot let a later entry through.
+        state = {"a": good, "b": torch.ones(3), "bad": bad}
+        try:
+            E.describe_state(state)
+            out[name] = ("ok",)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out[name] = (type(exc).__name__, str(exc))
+    local: dict = {}
+    described = E.describe_state({"a": good, "b": torch.ones(3)}, None, local)
+    return out, described.sig_ids, local["a"] is good._local_tensor, local["b"].tolist()
+
+
+def test_describe_refuses_each_entry_it_cannot_write_naming_its_key():
+    (out, ids, same, b), = assert_all_ok(run_ranks(_described_refusals, 1))
+    expected = {
+        "shard shape": ("ValueError", "its local shard has shape (3,), but its placements say (4,)"),
+        "negated shard": ("ValueError", "lazily negated view"),
+        "sparse": ("TypeError", "sparse_coo or meta tensor"),
+        "meta": ("TypeError", "meta tensor"),
+        "not a tensor": ("TypeError", "is a float, not a tensor"),
+        "dtype": ("TypeError", "complex128, which safetensors cannot store"),
+    }
+    for name, (kind, text) in expected.items():
+        assert out[name][0] == kind and text in out[name][1] and "'bad'" in out[name][1], \
+            (name, out[name])
+    assert len(ids) == 2 * 4 and same and b == [1.0, 1.0, 1.0]
+
+
+def test_planning_every_rank_at_once_equals_planning_each_rank_alone():
+    # dst plans every sender's stream in one pass; each sender plans its own: the same
+    # messages, or a sender's bytes would land at the wrong offsets.
+    g = torch.Generator().manual_seed(3)
+    entries = []
+    for i in range(200):
+        e = E.Entry(f"k{i}", torch.uint8, (0,), index=i)
+        for r in range(3):
+            n = int(torch.randint(0, 9000, (1,), generator=g))
+            e.pieces.append(E.Piece(r, E.Block((0,), (n,)), n, e.key))
+        entries.append(e)
+    pairs = [(e, p) for e in entries for p in e.pieces]
+    together = E.plan_messages(iter(pairs), 4096, 3)
+    for r in range(3):
+        alone = E.plan_messages([(e, p) for e, p in pairs if p.rank == r], 4096)
+        assert together[r] == alone and alone, r
