@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from distributed_ext._atomic import replacing
+
 __all__ = ["RankOutcome", "run_local"]
 
 PRELOAD = ("torch", "torch.distributed", "distributed_ext")
@@ -106,13 +108,12 @@ def _child(fn: Callable[..., Any], rank: int, world: int, tmpdir: str, args: tup
                   "traceback": traceback.format_exc()}
     path = os.path.join(tmpdir, f"rank{rank}.result")
     try:
-        with open(path + ".tmp", "wb") as f:
+        with replacing(path) as f:
             pickle.dump(result, f)
     except Exception as exc:  # noqa: BLE001 - an unpicklable value is the caller's bug: say so
-        with open(path + ".tmp", "wb") as f:
+        with replacing(path) as f:
             pickle.dump({"error_type": "SpawnError",
                          "error_message": f"the value of fn does not pickle: {exc}"}, f)
-    os.replace(path + ".tmp", path)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -795,10 +795,14 @@ def report(results: list[Result], args: argparse.Namespace, where: str) -> None:
     for line in check_targets(results):
         print("  " + line)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": {**environment(), "where": where, "repeat": args.repeat,
-                                       "conditions": getattr(args, "conditions", None)},
-                       "results": [asdict(r) for r in results]}, f, indent=2)
+        from distributed_ext._atomic import replacing
+
+        text = json.dumps({"environment": {**environment(), "where": where,
+                                           "repeat": args.repeat,
+                                           "conditions": getattr(args, "conditions", None)},
+                           "results": [asdict(r) for r in results]}, indent=2)
+        with replacing(args.json) as f:  # an interrupted run leaves the earlier file whole
+            f.write(text.encode())
     if args.plot:
         plot(results, args.plot)
         print(f"plot written to {args.plot}")

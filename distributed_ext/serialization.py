@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import array
 import collections
-import contextlib
 import io
 import os
 import stat
 import struct
-import sys
-import uuid
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -36,7 +33,9 @@ from typing import IO, Any
 import torch
 
 from distributed_ext import _native
+from distributed_ext._atomic import replacing
 from distributed_ext._device_spans import spans_to_host
+from distributed_ext._dtensor import is_dtensor
 from distributed_ext._source import ByteSource
 
 __all__ = [
@@ -96,14 +95,6 @@ def _path(path: str) -> str:
 
 def _key_path(path: str, key: object) -> str:
     return f"{_path(path)}[{key!r}]"
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # Whoever made a DTensor imported torch.distributed.tensor; importing it here would add
-    # ~1 s to `import distributed_ext`.
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return dtensor is not None and isinstance(t, dtensor)
 
 
 @dataclass
@@ -221,7 +212,7 @@ class _Encoder:
         if key in self.tensor_index:
             return self.tensor_index[key]
         where = _path(path)
-        if _is_dtensor(t):
+        if is_dtensor(t):
             raise TypeError(f"encode_state: {where} is a DTensor; to assemble a sharded model "
                             "on one rank use distributed_ext.gather_full_state (or "
                             "export_hf_checkpoint to write it), or pass .to_local() for this "
@@ -496,19 +487,8 @@ def write_state(state: Any, file: str | os.PathLike[str] | IO[bytes] | None = No
     if file is None:
         return encoded.source().to_bytearray()
     if isinstance(file, (str, os.PathLike)):
-        path = os.fspath(file)
-        directory, name = os.path.split(os.path.abspath(path))
-        # Unique per writer (threads, processes, containers sharing a pid): never shared.
-        tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with open(fd, "wb") as f:
-                _write_chunks(encoded, f, chunk_bytes)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with replacing(file) as f:
+            _write_chunks(encoded, f, chunk_bytes)
         return None
     _write_chunks(encoded, file, chunk_bytes)
     return None

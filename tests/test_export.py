@@ -15,6 +15,9 @@ from harness import assert_all_ok, read_rss, run_ranks
 
 import distributed_ext as dx
 from distributed_ext import export as E
+from distributed_ext.export import api as export_api
+from distributed_ext.export import sinks as export_sinks
+from distributed_ext.export import stager as export_stager
 
 pytest.importorskip("transformers", reason="the export tests build Hugging Face models")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
@@ -280,17 +283,17 @@ def test_many_small_tensors_are_packed_and_land_exactly(tmp_path):
 
 def _counting_sends(fn):
     """Runs ``fn()``; the bytes this rank sent (every isend of the export counted)."""
-    sent, real_send = [], E.dist.isend
+    sent, real_send = [], dist.isend
 
     def counting(tensor, *args, **kwargs):
         sent.append(tensor.numel() * tensor.element_size())
         return real_send(tensor, *args, **kwargs)
 
-    E.dist.isend = counting
+    dist.isend = counting
     try:
         fn()
     finally:
-        E.dist.isend = real_send
+        dist.isend = real_send
     return sum(sent)
 
 
@@ -570,7 +573,7 @@ def test_dst_memory_stays_a_few_chunks_whatever_the_model_size(tmp_path):
 def _sender_fails_mid_stream(out):
     r = dist.get_rank()
     if r == 1:
-        real, calls = E._piece_tensor, []
+        real, calls = export_stager._piece_tensor, []
 
         def flaky(state, entry, piece):
             calls.append(1)
@@ -578,7 +581,7 @@ def _sender_fails_mid_stream(out):
                 raise RuntimeError("shard 3 is unreadable")
             return real(state, entry, piece)
 
-        E._piece_tensor = flaky
+        export_stager._piece_tensor = flaky
     state = {f"r{r}.w{i}": torch.full((40_000,), float(i)) for i in range(6)}
     return _export_then_use_the_group(state, out, 32 * 1024)
 
@@ -689,7 +692,7 @@ def _export_killed_mid_transfer(out, victim, death_file):
 
             E.FileSink.write_batch = write
         else:  # a sender: on its third shard
-            real_local = E._piece_tensor
+            real_local = export_stager._piece_tensor
 
             def local(state, entry, piece):
                 calls.append(1)
@@ -697,7 +700,7 @@ def _export_killed_mid_transfer(out, victim, death_file):
                     die()
                 return real_local(state, entry, piece)
 
-            E._piece_tensor = local
+            export_stager._piece_tensor = local
     state = {f"r{r}.w{i}": torch.full((2 * 2**20,), float(i)) for i in range(6)}  # 8 MiB each
     try:
         dx.export_hf_checkpoint(state, out, chunk_bytes=2**20)
@@ -835,7 +838,7 @@ def _failing_step(out, where):
             def fail(*args, **kwargs):
                 raise MemoryError("cannot allocate the receive buffers")
 
-            E._prepare_transfer = fail
+            export_api._prepare_transfer = fail
         elif where == "rename":
             from distributed_ext import _native
 
@@ -903,7 +906,7 @@ def _killed_in_commit(out, when):
                 if len(calls) == 1:
                     die()
 
-            E.os.replace = replace
+            os.replace = replace
     return _outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
 
 
@@ -1117,7 +1120,7 @@ def _interrupted_on_dst(out, where):
 
             E.FileSink.commit = commit
         else:  # in the commit's fsyncs
-            real_fsync, calls = E._fsync_path, []
+            real_fsync, calls = export_sinks._fsync_path, []
 
             def fsync(path, directory=False):
                 calls.append(1)
@@ -1125,7 +1128,7 @@ def _interrupted_on_dst(out, where):
                     interrupt()
                 real_fsync(path, directory)
 
-            E._fsync_path = fsync
+            export_sinks._fsync_path = fsync
     outcomes = []
     for i in range(3):  # the group stays in step: the same round on every rank each time
         try:
@@ -1175,7 +1178,7 @@ def _peer_dies_after_the_data(out):
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
 
-        E._commit_round = die  # every byte has arrived; rank 1 dies before the commit round
+        export_api._commit_round = die  # every byte has arrived; rank 1 dies before the commit round
     return _outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
 
 
@@ -1237,10 +1240,10 @@ def _random_rows(entries, seed, max_run=3000):
 def test_file_sink_writes_a_shuffled_row_table_exactly(tmp_path, monkeypatch, direct):
     # Small regions, so that a few KiB of tensors span many of them and runs cross their
     # ends; two files; rows in random order and long runs among the short ones.
-    monkeypatch.setattr(E, "REGION_BYTES", 4096)
-    monkeypatch.setattr(E, "SMALL_RUN", 2048)
+    monkeypatch.setattr(export_sinks, "REGION_BYTES", 4096)
+    monkeypatch.setattr(export_sinks, "SMALL_RUN", 2048)
     if not direct:
-        monkeypatch.setattr(E._direct_io, "on_ram_filesystem", lambda path: True)
+        monkeypatch.setattr(export_sinks._direct_io, "on_ram_filesystem", lambda path: True)
     shapes = [(1000,), (3, 777), (), (0, 4), (5000,), (17,)]
     entries = [E.Entry(f"t{i}", torch.float32, s, index=i) for i, s in enumerate(shapes)]
     tensors = [torch.randn(s, generator=torch.Generator().manual_seed(i))

@@ -1,0 +1,386 @@
+"""A sharded model's full state on one rank: as a Hugging Face checkpoint, or as a dict.
+
+The flow, on every rank of the group:
+
+1. Metadata round (``all_reduce``): each rank describes its in-memory entries as compact
+   tables -- its keys, and per key an index into a few distinct signatures (dtype, global
+   shape, and for a DTensor its placements and mesh). A bad entry (a ``Partial`` placement,
+   a dtype safetensors cannot store) raises on every rank before any byte moves.
+2. Plan, computed alike on every rank from that metadata: who holds which block of each
+   in-memory tensor (a DTensor's blocks computed locally from its shape, mesh and
+   placements), the tensors to write (for a model, the hub's layout that ``save_pretrained``
+   writes: :mod:`distributed_ext.export.keys`, each written tensor a set of boxes of in-memory
+   tensors), and for each, which rank sends which block (replicas once: dst's own copy if it
+   has one, else the least-loaded holder's; a model's recorded
+   :class:`~distributed_ext.DistributionPlan` is checked against what the ranks hold), and
+   an agreed error for keys whose ranks disagree on dtype or shape, whose blocks do not cover
+   the tensor, or whose conversion cannot be streamed.
+3. Preparing round: dst opens temporary files in the target directory (or allocates the full
+   tensors); a failure raises on every rank.
+4. Data: each rank's pieces travel as the messages of :func:`plan_messages` -- large pieces
+   in ``chunk_bytes`` pieces from their own memory, small ones packed by the compiled core --
+   and dst writes each message to its places as it arrives (small runs in one native call per
+   file, large ones with ``O_DIRECT`` where the filesystem takes it:
+   :mod:`distributed_ext._direct_io`), while a second thread writes dst's own pieces, which
+   never cross the link. Waits are watched (:mod:`distributed_ext._watch`).
+5. Final round: any failure (a full disk, a dead peer, an interrupt) makes every rank raise,
+   and dst removes its temporary files; else dst renames them into place, writes the index,
+   ``config.json`` and ``generation_config.json``, and removes stale shards of an earlier
+   checkpoint, as ``save_pretrained`` does.
+
+The checkpoint's layout and the families tested: ``docs/checkpoint.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import astuple, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distributed_ext import _agree, _watch, runtime
+from distributed_ext.collectives import _require_group_if_launched, all_reduce
+from distributed_ext.export import keys as _keys
+from distributed_ext.export.entries import Described, describe_state, resolve_described, resolve_state
+from distributed_ext.export.pieces import Entry, agree_plan, check_keys, merge_holdings, plan_entries
+from distributed_ext.export.safetensors import _DTYPE_BY_NAME, layout_files, parse_shard_size
+from distributed_ext.export.sinks import FileSink, MemorySink
+from distributed_ext.export.transfer import EXPORT_CHUNK_BYTES, _prepare_transfer, _transfer, _write_own
+from distributed_ext.plan import recorded_plan
+
+__all__ = ["export_hf_checkpoint", "gather_full_state"]
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector for the block (reference counting still frees
+    everything without cycles). Why: an export allocates a few small objects per tensor, and
+    each collection that this triggers walks every object the process holds -- a model's
+    100k DTensors and modules -- which made an export of many small tensors 2.5x slower."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@dataclass
+class _Args:
+    """The arguments every rank must pass alike, checked on each and agreed in the metadata
+    round (a ``dst`` or ``chunk_bytes`` that differs between ranks would leave them waiting
+    for messages that never come, or abort the transport)."""
+
+    dst: int
+    chunk_bytes: int
+    extra: tuple[tuple[str, Any], ...] = ()  # (argument name, value) of the caller's own
+
+
+def _check_args(described: list[Described], ctx: _agree.GroupContext, what: str) -> None:
+    """ValueError on every rank alike if the ranks passed different arguments."""
+    first = described[0].args
+    for name, index in [("dst", None), ("chunk_bytes", None)] + [
+            (n, i) for i, (n, _v) in enumerate(first.extra)]:
+        if index is None:
+            values = [getattr(d.args, name) for d in described]
+        else:
+            values = [d.args.extra[index][1] for d in described]
+        if any(v != values[0] for v in values):
+            listing = ", ".join(f"rank {ctx.ranks[r]}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"{what}: {name} differs between ranks ({listing}); every rank "
+                             f"must pass the same {name}")
+
+
+def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup | None,
+            make_sink: Callable[[list[Entry], nn.Module | None], Any],
+            chunk_bytes: int | None, what: str, hub_keys: bool = True,
+            extra_args: tuple[tuple[str, Any], ...] = (), commit: bool = False,
+            check: Callable[[], Any] | None = None) -> tuple[Any, nn.Module | None]:
+    """The rounds of the module docstring; returns (dst's sink, the model).
+
+    ``make_sink(entries, model)`` runs on dst in the preparing round (its failure is
+    agreed). With ``commit``, dst commits the sink in a last round that every rank joins,
+    so that no rank returns before the checkpoint is in place and a failed commit is raised
+    on every rank. ``check()`` validates the caller's own arguments (``extra_args``) on every
+    rank, inside the metadata round.
+    """
+
+    def resolve_chunk() -> int:
+        chunk = EXPORT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise ValueError(f"{what}: chunk_bytes must be a positive int (bytes per "
+                             f"transport message), got {chunk_bytes!r}")
+        return chunk
+
+    def plan(described: list[Described], model: nn.Module | None, dst_rank: int,
+             ranks: list[int], keep: int | None = None) -> list[Entry]:
+        holdings = merge_holdings(described, ranks, dst_rank,
+                                  agree_plan([d.plan for d in described], ranks))
+        written = None
+        if hub_keys and model is not None:
+            written = _keys.resolve_written(model, {
+                k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()})
+        entries = plan_entries(holdings, written, dst_rank, ranks, keep)
+        check_keys(entries)
+        return entries
+
+    def describe(held: dict[str, Any]) -> Described:
+        chunk = resolve_chunk()
+        if check is not None:
+            check()
+        # Inside the agreed round: a state_dict() hook that raises on one rank is raised
+        # on every rank, not by that rank alone.
+        state, model = resolve_state(model_or_state)
+        recorded = recorded_plan(model) if model is not None else None
+        # Each key's local block, looked up once here: the transfer reads these.
+        local: dict[str, torch.Tensor] = {}
+        described = describe_state(state, None if recorded is None else astuple(recorded),
+                                   local)
+        described.args = _Args(dst, chunk, extra_args)
+        held.update(local=local, model=model, chunk=chunk, described=described)
+        return described.summary()
+
+    if not runtime.is_initialized():
+        _require_group_if_launched(what)
+        if dst != 0:
+            raise ValueError(f"{what}: dst={dst}, but there is no process group: the one "
+                             "process is rank 0 (pass dst=0, or set the group up first)")
+        held: dict[str, Any] = {}
+        describe(held)
+        state, model = held["local"], held["model"]
+        entries = plan([held["described"]], model, 0, [0])
+        sink = make_sink(entries, model)
+        prepared = None
+        try:
+            prepared = _prepare_transfer(state, entries, None, 0, held["chunk"])
+            _write_own(prepared.stager, sink, prepared.messages)
+            if commit:
+                sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+        finally:
+            if prepared is not None:
+                prepared.release()
+        return sink, model
+    ctx = _agree.resolve_group(group, what)
+    with _watch.DeferredInterrupts() as deferred:
+        held = {}
+        summaries = all_reduce(f"{what}: metadata", lambda: describe(held), list, group)
+        described = resolve_described(summaries, held["described"], what, group)
+        # From here on every rank computes the same from the same metadata: an error below is
+        # raised by every rank alike.
+        _check_args(described, ctx, what)
+        dst_rank = ctx.group_rank_of(dst)
+        if dst_rank is None:
+            raise ValueError(f"{what}: dst={dst} is not a member of the group (global ranks "
+                             f"{ctx.ranks}); pass the global rank of one of them")
+        state, model, chunk = held["local"], held["model"], held["chunk"]
+        # A sender makes only its own pieces; dst all of them (it lays out the files).
+        entries = plan(described, model, dst_rank, ctx.ranks,
+                       None if ctx.rank == dst_rank else ctx.rank)
+        sink = None
+        prepared = None
+        try:
+            interrupted = deferred.take()  # one that landed in the metadata round fails here
+            if interrupted is not None:
+                raise interrupted
+            if ctx.rank == dst_rank:
+                sink = make_sink(entries, model)
+            prepared = _prepare_transfer(state, entries, ctx, dst_rank, chunk)
+            status = _agree.Status()
+        except BaseException as exc:  # noqa: BLE001 - carried to every rank
+            status = _agree.Status.failed(exc)
+        try:
+            _agree.raise_first_failure(f"{what} (preparing)",
+                                       _agree.exchange(status, ctx, what), ctx, status)
+        except BaseException:
+            if prepared is not None:
+                prepared.release()
+            if sink is not None:
+                sink.abort()
+            raise
+        assert prepared is not None
+        failure: BaseException | None = None
+        try:
+            _transfer(state, prepared, sink, ctx, dst_rank, what)
+        except _watch.PeerFailure as exc:
+            if sink is not None:
+                sink.abort()
+            raise _agree.peer_failure_error(what, exc) from exc.cause
+        except BaseException as exc:  # noqa: BLE001 - a full disk on dst: agreed below
+            failure = exc
+        failure = failure or deferred.take()
+        status = _agree.Status() if failure is None else _agree.Status.failed(failure)
+        try:
+            _agree.raise_first_failure(f"{what} (transfer)", _agree.exchange(status, ctx, what),
+                                       ctx, status)
+        except BaseException:
+            if sink is not None:
+                sink.abort()
+            raise
+        if commit:
+            _commit_round(sink, ctx, deferred, what)
+    return sink, model
+
+
+def _commit_round(sink: Any, ctx: _agree.GroupContext,
+                  deferred: _watch.DeferredInterrupts, what: str) -> None:
+    """dst publishes the checkpoint; every rank then learns whether it did (a failed commit
+    -- a config that does not serialize, an fsync or rename error, Ctrl-C -- raises on every
+    rank, naming dst's error; the directory then holds the earlier checkpoint)."""
+    committed = False
+    try:
+        if sink is not None:
+            interrupted = deferred.take()
+            if interrupted is not None:
+                raise interrupted  # before anything is published: nothing changes
+            sink.commit()
+            committed = True
+        # A Ctrl-C during the commit (or, on a sender, while it waited for it): carried in
+        # this round like any failure, so that every rank raises alike.
+        late = deferred.take()
+        if late is not None:
+            raise late
+        status = _agree.Status()
+    except BaseException as exc:  # noqa: BLE001 - carried to every rank
+        if sink is not None and not committed:
+            sink.abort()
+        status = _agree.Status.failed(exc)
+    try:
+        statuses = _agree.exchange(status, ctx, what)
+    except RuntimeError as exc:
+        if committed:
+            # A peer died after the data had all arrived: the checkpoint is complete and in
+            # place; the group, though, is unusable.
+            raise RuntimeError(f"{exc} (the checkpoint itself is complete: it was published "
+                               "before the failure)") from exc
+        raise
+    _agree.raise_first_failure(f"{what} (commit)", statuses, ctx, status)
+
+
+def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.PathLike[str],
+                         dst: int = 0, group: dist.ProcessGroup | None = None, *,
+                         max_shard_size: int | str = "5GB",
+                         chunk_bytes: int | None = None) -> None:
+    """Writes a sharded model's full state as ONE Hugging Face checkpoint on global rank ``dst``.
+
+    Collective over ``group``. ``model_or_state`` is an ``nn.Module`` or a state dict. A
+    module is written as ``save_pretrained`` writes it: the same keys, shapes, dtypes and
+    bytes (tied weights and ``_keys_to_ignore_on_save`` left out; transformers' own
+    ``revert_weight_conversion`` applied, so a MoE whose experts are fused in memory is
+    written one tensor per expert, in the hub's names), with ``config.json`` and
+    ``generation_config.json`` from its ``config``/``generation_config``. Each written tensor
+    is a set of blocks of in-memory tensors (renames, splits, selections, transposes), streamed
+    from where they live: no rank materializes a fused tensor. A conversion that is not such a
+    set of blocks (a cast, arithmetic) raises ValueError on every rank before any byte moves,
+    naming the key. A state dict is written with its own keys.
+    DTensors (FSDP2 ``fully_shard`` with uneven or empty shards, ``Shard(d)``, ``Replicate``,
+    2-D meshes) are assembled from their local shards; a plain tensor every rank holds is
+    written once from one rank (dst's own copy if it has one) and its copies never cross the
+    link; a key only some ranks hold comes from one that holds it (replicas spread over their
+    holders). A model that records a :class:`~distributed_ext.DistributionPlan` is checked
+    against it: the group must be the plan's world, and every plain tensor held by every rank
+    (the dense part under ``dense="replicate"``: written from dst's copy, none crosses the
+    link) or by an expert shard's ``edp`` replicas; anything else raises ValueError on every
+    rank before any byte moves.
+
+    Output: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files of at most
+    ``max_shard_size`` each plus ``model.safetensors.index.json``, readable by
+    ``safetensors.safe_open`` and ``from_pretrained``.
+
+    Memory: dst never holds the model. Each file's header is computed from the metadata the
+    ranks exchange, and bytes are written to their place as they arrive: dst holds two
+    transport chunks per sender (``chunk_bytes``, default 16 MiB), two 8 MiB bounce buffers
+    for direct writes, three 1 MiB slots where its own small tensors are packed, up to 64 MiB
+    of 1 MiB file regions being assembled from short runs (small tensors, the rows of a
+    ``Shard(1)``/TP layout), and metadata (a few hundred bytes per tensor; a block's runs are
+    arithmetic, never a list); its large blocks are written from its own tensors. The files
+    bypass the page cache (``O_DIRECT``) where the filesystem allows -- short runs too, once
+    their region is whole -- so the checkpoint takes no kernel memory either, and is on the
+    disk when the call returns (elsewhere the page cache holds it until ``fsync``, before
+    publishing). A sender holds
+    its shards, three 1 MiB slots where its small pieces are packed, and at most one
+    contiguous copy of one piece at a time where a piece is not contiguous in its shard (a
+    transposed or column block), on the piece's own device.
+
+    Cost: by bytes, not tensor count. Pieces under 1 MiB are packed into shared messages by
+    the compiled core and written by dst in one native call per file and message; the
+    metadata round carries compact tables; a DTensor's blocks are computed on every rank from
+    its global shape, mesh and placements. Python's cyclic garbage collector is paused for
+    the call (its collections walk every object a large model holds).
+
+    GPU-resident shards never cross whole: on NCCL they are sent from device memory chunk by
+    chunk and dst receives into two device chunks per sender, staged through a pinned chunk
+    to the files; on gloo a sender stages them through three pinned chunks, and dst writes its
+    own through one. Device memory: at most two chunks per sender on dst, three on a sender
+    whose shards are on the host under NCCL; no rank gathers a full parameter on its GPU.
+    Pinned memory: at most three chunks (leased from the package's one pinned pool).
+
+    Failure: arguments that differ between ranks, a bad entry (a ``Partial`` or
+    ``_StridedShard`` DTensor, a dtype or key safetensors cannot store, ranks that disagree on
+    a key's dtype or shape, blocks that do not tile a tensor exactly), a ``state_dict()`` that
+    raises, an allocation or a ``config`` that does not serialize raise on every rank before
+    any byte moves; a failure during the transfer (a full disk, a dead peer, Ctrl-C) or the
+    commit (an fsync or rename error) makes every rank raise. Under a distributed launch with
+    no process group set up, RuntimeError. The checkpoint is built in a hidden sibling
+    directory and published whole (an atomic ``renameat2(RENAME_EXCHANGE)`` swap; elsewhere
+    an order that makes a partial state fail to load), so a crash at any instant leaves the
+    earlier checkpoint or the new one, never a mix; files of the directory that the
+    checkpoint does not replace are kept; stale shards are gone, as with ``save_pretrained``.
+    See ``docs/checkpoint.md``.
+
+    Args:
+        model_or_state: The (sharded) model, or a state dict, on every rank of ``group``.
+        directory: Where dst writes (created if missing).
+        dst: The global rank that writes.
+        group: The process group (default: the world).
+        max_shard_size: The largest file, in bytes or as ``"5GB"``/``"500MiB"``.
+        chunk_bytes: Transport piece size (default 16 MiB).
+    """
+    what = "export_hf_checkpoint"
+    path = os.fspath(directory)
+
+    def make_sink(entries: list[Entry], model: nn.Module | None) -> FileSink:
+        return FileSink(path, layout_files(entries, parse_shard_size(max_shard_size)), model)
+
+    # Checked on every rank and agreed in the metadata round, with dst and chunk_bytes
+    # ("5GB" and 5000000000 are the same size: compared parsed, where they parse).
+    try:
+        shard_value: Any = parse_shard_size(max_shard_size)
+    except (TypeError, ValueError):
+        shard_value = max_shard_size  # raised by check() inside the round, on this rank
+    extra = (("max_shard_size", shard_value), ("directory", path))
+    with _cyclic_gc_paused():
+        _export(model_or_state, dst, group, make_sink, chunk_bytes, what,
+                extra_args=extra, commit=True, check=lambda: parse_shard_size(max_shard_size))
+
+
+def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
+                      group: dist.ProcessGroup | None = None, *,
+                      hub_keys: bool = False) -> dict | None:
+    """The full state of a sharded model (or state dict) as CPU tensors on ``dst``; None elsewhere.
+
+    Collective; the same inputs, assembly and failure rules as :func:`export_hf_checkpoint`
+    (tied weights once). The keys are the model's in-memory names, as ``state_dict()`` has
+    them -- a state dict for ``load_state_dict`` of the same model class. With
+    ``hub_keys=True`` they are instead the keys and tensors ``export_hf_checkpoint`` writes
+    (the hub's layout: e.g. one tensor per expert where transformers fuses a MoE's experts in
+    memory), for code that wants the checkpoint's tensors without a file.
+
+    Memory on dst: the full state once (the returned CPU tensors, filled in place) plus two
+    transport chunks per sender (and the pinned and device chunks of
+    :func:`export_hf_checkpoint` for GPU-resident shards); nothing else.
+    """
+    what = "gather_full_state"
+    with _cyclic_gc_paused():
+        sink, _model = _export(model_or_state, dst, group, MemorySink, None, what,
+                               hub_keys=hub_keys)
+    return None if sink is None else sink.tensors

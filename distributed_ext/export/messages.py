@@ -1,0 +1,96 @@
+"""How pieces travel: packed into messages (computed alike by a sender and dst), and where a
+message's bytes go, as row tables a sink maps with a few tensor operations."""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from distributed_ext.export.pieces import Entry, Piece
+
+# The most small pieces one message packs (less than a chunk: the stages then overlap).
+PACK_BYTES = 2**20
+
+
+# Columns of a row table (:func:`_rows`): which entry, where in it, where in the message, how
+# many bytes. A table, not a list of tuples: a sink maps a message of a thousand small pieces
+# to file offsets and copies them with a few tensor operations and one native call.
+ROW_ENTRY, ROW_OFFSET, ROW_AT, ROW_NBYTES = range(4)
+
+
+def _rows(message: list[Segment], at: int = 0) -> torch.Tensor:
+    """Where a message's bytes go: an int64 table of ``(entry index, offset in the written
+    tensor, offset in the message, nbytes)``, one row per contiguous run (one per segment,
+    mostly); ``at``: where the first segment starts in the message. Computed per message
+    from each piece's :class:`Runs`: at most a message's worth of rows exists at a time."""
+    flat = array.array("q")
+    for e, p, start, n in message:
+        runs = p.runs(e)
+        if not runs.counts:  # most pieces: one run, no search
+            flat.extend((e.index, runs.base + start, at, n))
+        else:
+            i = e.index
+            for offset, a, m in runs.pieces(start, n, at):
+                flat.extend((i, offset, a, m))
+        at += n
+    if not flat:
+        return torch.empty((0, 4), dtype=torch.int64)
+    return torch.frombuffer(flat, dtype=torch.int64).reshape(-1, 4)  # keeps ``flat`` alive
+
+
+def _placement(sink: Any, message: list[Segment]) -> int:
+    """The address shift at which a message's bytes go to the sink without a copy (the file
+    offset's of its first byte, where that starts a run), else 0."""
+    e, p, start, _n = message[0]
+    runs = p.runs(e)
+    return sink.address_shift(e.index, runs.base + start) if not runs.counts else 0
+
+
+# A message: the (entry, piece, start, nbytes) segments it carries, back to back.
+Segment = tuple[Entry, Piece, int, int]
+
+
+def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int,
+                  world: int | None = None) -> Any:
+    """How pieces travel, computed alike by a sender and dst (and by dst for its own pieces
+    on their way to the files).
+
+    A piece of at least ``chunk`` bytes goes alone, in messages of ``chunk`` bytes (sent from
+    its own memory); smaller pieces are packed back to back into messages of up to
+    ``PACK_BYTES`` (1 MiB), so that a model of 100k small tensors costs a few messages, not
+    100k, and dst writes one while the sender packs the next.
+
+    ``world`` None: ``items`` are one rank's pieces; returns their messages. Else every
+    rank's pieces, in plan order; returns each group rank's messages (a list per rank), in
+    one pass -- dst plans every sender's stream.
+    """
+    # Per rank: [its messages, the message being packed, its bytes so far]
+    streams: list[list[Any]] = [[[], [], 0] for _ in range(world or 1)]
+    # Packed messages stay small enough that a receiver writes one while the next is packed.
+    cap = min(chunk, PACK_BYTES)
+    for e, p in items:
+        n = p.nbytes
+        if n == 0:
+            continue
+        stream = streams[p.rank if world else 0]
+        if n >= chunk:
+            stream[0].extend([(e, p, s, min(chunk, n - s))] for s in range(0, n, chunk))
+            continue
+        packed = stream[1]
+        if packed and stream[2] + n > cap:
+            stream[0].append(packed)
+            packed = stream[1] = []
+            stream[2] = 0
+        packed.append((e, p, 0, n))
+        stream[2] += n
+    for stream in streams:
+        if stream[1]:
+            stream[0].append(stream[1])
+    return streams[0][0] if world is None else [stream[0] for stream in streams]
+
+
+def _message_nbytes(message: list[Segment]) -> int:
+    return sum(s[3] for s in message)

@@ -1,0 +1,336 @@
+"""The plan, the one contract between the modules of the export: for each tensor to write,
+which rank sends which block of it and from which in-memory tensor. Computed alike on every
+rank from the metadata round; checks raised here are raised by every rank alike."""
+
+from __future__ import annotations
+
+import array
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from distributed_ext.export import keys as _keys
+from distributed_ext.export.blocks import (
+    Block,
+    Runs,
+    _intersect,
+    _is_whole,
+    _local_view,
+    _overlap,
+    _piece_runs,
+    _tiles_exactly,
+)
+from distributed_ext.export.entries import Described, Signature, _dtensor_blocks
+from distributed_ext.export.safetensors import _DTYPE_BY_NAME
+from distributed_ext.plan import DistributionPlan
+
+
+@dataclass(slots=True)
+class Piece:
+    """A block of a written tensor that ``rank`` sends (in plan order).
+
+    ``block`` is in the written tensor's coordinates. The bytes come from the in-memory tensor
+    ``source`` (empty: its entry's ``source``)'s local block on ``rank``: all of it
+    (``local`` None), or ``local`` (slices in the local block's coordinates) with its dims
+    taken in ``perm`` order. Pieces of a whole in-memory tensor name no source: one list of
+    them serves every entry of a signature (immutable once planned).
+    """
+
+    rank: int  # group rank
+    block: Block
+    nbytes: int  # the block's bytes
+    source: str = ""
+    local: tuple[slice, ...] | None = None
+    perm: tuple[int, ...] | None = None
+    _runs: Runs | None = field(default=None, repr=False, compare=False)
+
+    def runs(self, entry: Entry) -> Runs:
+        """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once."""
+        if self._runs is None:
+            self._runs = _piece_runs(self.block, entry.shape, entry.dtype.itemsize)
+        return self._runs
+
+
+@dataclass(slots=True)
+class Entry:
+    """A tensor as the checkpoint holds it, and the pieces it is assembled from."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)  # shared between entries: never mutate
+    index: int = 0  # its position in the plan (how sinks and row tables name it)
+    source: str = ""  # the in-memory tensor its pieces read, where they do not name one
+    nbytes: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class Holding:
+    """How the ranks hold an in-memory key: its signature and each holder's block (one
+    object may serve every key of a signature; ``key`` is then the first of them)."""
+
+    key: str
+    sig: Signature
+    blocks: list[tuple[int, Block]]  # (group rank, block), in rank order
+
+
+def merge_holdings(described: list[Described], ranks: list[int], dst_rank: int,
+                   recorded: DistributionPlan | None) -> dict[str, Holding]:
+    """Who holds which in-memory key, and which block of it (the same on every rank);
+    ValueError if holders disagree on a key's dtype, shape or placements, a DTensor's mesh is
+    not the group's ranks, or a plain tensor is held against the recorded plan."""
+    world = len(described)
+    if recorded is not None and recorded.world_size != world:
+        raise ValueError(
+            f"the model records {recorded} but the export's group has {world} rank(s): every "
+            f"rank that holds a part of the model must take part (pass group=None, or a group "
+            f"of the plan's {recorded.world_size} ranks)")
+    first = described[dst_rank]
+    # The common case: every rank holds the same keys with the same signatures (an FSDP2
+    # model, a replicated state): one comparison per rank instead of one per key and rank.
+    same = all(d.keys == first.keys and d.sig_ids == first.sig_ids
+               and d.signatures == first.signatures for d in described)
+    holders: dict[str, list[tuple[int, Signature]]] = {}
+    if same:
+        sigs = array.array("i")
+        sigs.frombytes(first.sig_ids)
+        table = first.signatures
+        # One holding per signature, shared by its keys (checked once, with the first key).
+        shared: dict[int, Holding] = {}
+        out = {}
+        for key, i in zip(first.keys, sigs):
+            holding = shared.get(i)
+            if holding is None:
+                sig = table[i]
+                holding = shared[i] = _holding(key, [(r, sig) for r in range(world)], sig,
+                                               ranks, world, recorded)
+            out[key] = holding
+        return out
+    for r in [dst_rank] + [r for r in range(world) if r != dst_rank]:
+        d = described[r]
+        sigs = array.array("i")
+        sigs.frombytes(d.sig_ids)
+        for key, i in zip(d.keys, sigs):
+            holders.setdefault(key, []).append((r, d.signatures[i]))
+    out = {}
+    for key, held in holders.items():
+        held.sort(key=lambda rs: rs[0])
+        kinds = {s for _r, s in held}
+        if len(kinds) > 1:
+            listing = "; ".join(f"rank {ranks[r]}: {s.show()}" for r, s in held)
+            raise ValueError(f"state[{key!r}] differs between ranks ({listing}); every rank "
+                             "that holds a key must hold the same dtype, shape and placements")
+        out[key] = _holding(key, held, held[0][1], ranks, world, recorded)
+    return out
+
+
+def _holding(key: str, held: list[tuple[int, Signature]], sig: Signature, ranks: list[int],
+             world: int, recorded: DistributionPlan | None) -> Holding:
+    if sig.placements is None:
+        if recorded is not None:
+            allowed = sorted({world, recorded.edp})
+            if len(held) not in allowed:
+                raise ValueError(
+                    f"state[{key!r}] is held by {len(held)} rank(s) "
+                    f"({[ranks[r] for r, _s in held]}), but the model records {recorded}: "
+                    f"a plain tensor is held by {' or '.join(map(str, allowed))} ranks "
+                    "(every rank, or an expert shard's edp replicas); record the plan the "
+                    "model was distributed with")
+        whole = Block((0,) * len(sig.shape), sig.shape)
+        return Holding(key, sig, [(r, whole) for r, _s in held])
+    blocks = _dtensor_blocks(sig)
+    if len(held) != len(blocks) or any(ranks[r] not in blocks for r, _s in held):
+        raise ValueError(
+            f"state[{key!r}] is a DTensor on a mesh of global ranks {sorted(blocks)}, but "
+            f"ranks {[ranks[r] for r, _s in held]} of the export's group (global ranks "
+            f"{ranks}) hold it; export over the group its mesh spans")
+    return Holding(key, sig, _group_blocks(sig, tuple(ranks)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_blocks(sig: Signature, ranks: tuple[int, ...]) -> list[tuple[int, Block]]:
+    """A DTensor's blocks by group rank, in rank order: one list per signature, shared by
+    every key of that signature (read-only)."""
+    blocks = _dtensor_blocks(sig)
+    group_rank = {g: r for r, g in enumerate(ranks)}
+    return [(group_rank[g], Block(*blocks[g])) for g in sorted(blocks, key=group_rank.get)]
+
+
+def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | None,
+                 dst_rank: int, ranks: list[int], keep: int | None = None) -> list[Entry]:
+    """The export plan (the same on every rank): for each written tensor, which rank sends
+    which block of it and from where; ValueError if a written tensor cannot be streamed or
+    its blocks do not cover it. ``written`` None: every in-memory tensor as it is.
+
+    A block several ranks hold (a replica) is sent once: by dst when it holds one, so that it
+    never crosses the link, else by the holder that has the fewest bytes to send so far, so
+    that replicas (an expert shard's ``edp`` copies, HSDP's replicated shards) spread the
+    sending over their holders.
+
+    ``keep``: make only this group rank's pieces (a sender needs no other's); every check
+    and every choice is still made for all of them, so the kept pieces are the same.
+    """
+    load = [0] * len(ranks)  # bytes each rank sends so far
+    entries = []
+    # A whole in-memory tensor's distinct blocks and their owners: computed once per list of
+    # blocks, which every key of one DTensor signature shares.
+    distinct: dict[int, list] = {}
+    if written is None:  # a state dict: every tensor written whole, under its own key
+        for key, holding in holdings.items():
+            entry = Entry(key, _DTYPE_BY_NAME[holding.sig.dtype], holding.sig.shape,
+                          index=len(entries))
+            _add_whole(entry, key, holding, distinct, dst_rank, load, keep, share=True)
+            entries.append(entry)
+        return entries
+    for w in written:
+        if w.unstreamable is not None:
+            raise ValueError(
+                f"{w.key!r}: transformers writes it through {w.unstreamable}, which cannot be "
+                "streamed from the shards as blocks; call gather_full_state(model, "
+                "hub_keys=False) and then save_pretrained on rank 0 with that state")
+        entry = Entry(w.key, w.dtype, w.shape, index=len(entries))
+        itemsize = w.dtype.itemsize
+        covered = 0
+        for part in w.parts:
+            holding = holdings[part.source]
+            _distinct_blocks(part.source, holding, distinct)  # they tile it exactly
+            if _is_whole(part, holding.sig.shape):
+                covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load,
+                                      keep, share=len(w.parts) == 1)
+                continue
+            blocks: dict[Block, list[tuple[int, Block, list[int], list[int]]]] = {}
+            for r, held in holding.blocks:
+                meet = _overlap(part, held)
+                if meet is not None:
+                    blocks.setdefault(_intersect(part, *meet), []).append((r, held, *meet))
+            for wb, owners in blocks.items():
+                sender = _choose_sender([o[0] for o in owners], dst_rank, load)
+                _r, held, lo, hi = next(o for o in owners if o[0] == sender)
+                if sender != dst_rank:
+                    load[sender] += wb.numel * itemsize
+                covered += wb.numel
+                if keep is None or sender == keep:
+                    local, perm = _local_view(part, held, lo, hi)
+                    entry.pieces.append(Piece(sender, wb, wb.numel * itemsize, part.source,
+                                              local, perm))
+        _check_covered(entry, covered)
+        entries.append(entry)
+    return entries
+
+
+def _add_whole(entry: Entry, source: str, holding: Holding,
+               distinct: dict[int, list], dst_rank: int, load: list[int],
+               keep: int | None = None, share: bool = False) -> int:
+    """Adds the pieces of a written tensor that is in-memory tensor ``source`` as it is (one
+    per distinct block; ``keep``: only that rank's); returns the elements they cover (all of
+    them: the blocks were checked to tile the tensor). ``share``: the entry has no other
+    pieces, so it may take its signature's one list of pieces (no object per entry)."""
+    got = _distinct_blocks(entry.key, holding, distinct)
+    groups_list, fixed, covered = got[0], got[1], got[2]
+    itemsize = entry.dtype.itemsize
+    if fixed is not None:
+        # No replica (FSDP2): every key of the signature has the same senders, blocks,
+        # runs and bytes per sender; computed at its first key, then only counted.
+        shared = got[3].get((itemsize, keep))
+        if shared is None:
+            runs = [_piece_runs(wb, entry.shape, itemsize) for _s, wb in fixed]
+            pieces = [Piece(sender, wb, wb.numel * itemsize, _runs=wb_runs)
+                      for (sender, wb), wb_runs in zip(fixed, runs)
+                      if keep is None or sender == keep]
+            sends = [(sender, wb.numel * itemsize) for sender, wb in fixed
+                     if sender != dst_rank and wb.numel]
+            shared = got[3][(itemsize, keep)] = (pieces, sends)
+        pieces, sends = shared
+        for sender, nbytes in sends:
+            load[sender] += nbytes
+        if share:
+            entry.pieces, entry.source = pieces, source
+        else:
+            entry.pieces.extend(Piece(p.rank, p.block, p.nbytes, source, _runs=p._runs)
+                                for p in pieces)
+        return covered
+    for wb, owners in groups_list:
+        sender = _choose_sender(owners, dst_rank, load)
+        if sender != dst_rank:
+            load[sender] += wb.numel * itemsize
+        if keep is None or sender == keep:
+            entry.pieces.append(Piece(sender, wb, wb.numel * itemsize, source))
+    return covered
+
+
+def _distinct_blocks(key: str, holding: Holding, distinct: dict[int, list]) -> list:
+    """A holding's distinct non-empty blocks and their owners (replicas grouped), computed
+    once per list of blocks (every key of a signature shares one); ValueError naming ``key``
+    unless they tile the tensor exactly -- every element in exactly one distinct block."""
+    got = distinct.get(id(holding.blocks))
+    if got is None:
+        groups: dict[Block, list[int]] = {}
+        for r, held in holding.blocks:
+            if held.numel:
+                groups.setdefault(held, []).append(r)
+        # No replica among the blocks (FSDP2): each block's sender is its one owner, fixed
+        # for every key of the signature, and what each rank sends is a constant per key.
+        fixed = None
+        if all(len(owners) == 1 for owners in groups.values()):
+            fixed = [(owners[0], wb) for wb, owners in groups.items()]
+        covered = sum(wb.numel for wb in groups)
+        exact = _tiles_exactly(list(groups), holding.sig.shape)
+        # [blocks and owners, fixed senders, elements covered, the fixed blocks' pieces and
+        # what each sender sends, by (itemsize, kept rank) (made at the first key), the list
+        # itself (kept with its id, so that the id is not reused), whether they tile it]
+        got = distinct[id(holding.blocks)] = [list(groups.items()), fixed, covered, {},
+                                              holding.blocks, exact]
+    if not got[5]:
+        listing = "; ".join(f"rank(s) {owners}: offset {b.offset} shape {b.shape}"
+                            for b, owners in got[0][:8])
+        raise ValueError(f"state[{key!r}]: the ranks' blocks of its {holding.sig.shape} "
+                         f"elements overlap or leave gaps ({listing}{'; ...' if len(got[0]) > 8 else ''}); "
+                         "every element must be held by exactly one block (or by identical "
+                         "replicas of it)")
+    return got
+
+
+def check_keys(entries: list[Entry]) -> None:
+    """ValueError naming the first key a safetensors reader would reject: ``__metadata__``
+    (the header's own), or a string that is not valid UTF-8 (a lone surrogate)."""
+    for e in entries:
+        if e.key == "__metadata__":
+            raise ValueError("state['__metadata__']: safetensors reserves this key for the "
+                             "file's metadata; rename the tensor")
+        try:
+            e.key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"state[{e.key!r}]: the key is not valid UTF-8 ({exc.reason} at "
+                             f"{exc.start}), which safetensors readers reject; rename the "
+                             "tensor") from None
+
+
+def _check_covered(entry: Entry, covered: int) -> None:
+    if covered != math.prod(entry.shape):
+        raise ValueError(f"state[{entry.key!r}]: the ranks' blocks cover {covered} of "
+                         f"{math.prod(entry.shape)} elements (overlapping or missing shards)")
+
+
+def _choose_sender(owners: list[int], dst_rank: int, load: list[int]) -> int:
+    """Who sends a block: its one owner; dst if it holds a replica (it never crosses the
+    link); else the replica holder with the fewest bytes to send so far."""
+    if len(owners) == 1:
+        return owners[0]
+    if dst_rank in owners:
+        return dst_rank
+    return min(owners, key=lambda r: (load[r], r))
+
+
+def agree_plan(plans: list[tuple | None], ranks: list[int]) -> DistributionPlan | None:
+    """The plan the ranks' models record (as tuples), the same on all; ValueError if not."""
+    if len(set(plans)) > 1:
+        listing = "; ".join(f"rank {g}: {DistributionPlan(*p) if p else 'none'}"
+                            for g, p in zip(ranks, plans))
+        raise ValueError(f"the ranks' models record different distribution plans ({listing}); "
+                         "record one plan on every rank's model")
+    return DistributionPlan(*plans[0]) if plans[0] is not None else None

@@ -1,0 +1,330 @@
+"""Where dst puts the bytes: shard files written at their offsets (short runs assembled into
+regions, long ones direct), or full CPU tensors in memory."""
+
+from __future__ import annotations
+
+import array
+import collections
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from distributed_ext import _direct_io, _native
+from distributed_ext.export.messages import ROW_AT, ROW_ENTRY, ROW_NBYTES, ROW_OFFSET
+from distributed_ext.export.pieces import Entry
+from distributed_ext.export.publish import Stage, _config_texts, _fsync_path, _write_file
+from distributed_ext.export.safetensors import INDEX_NAME, WEIGHTS_NAME, safetensors_header
+
+# Runs shorter than this are written in one native call per file and message (a direct write
+# of them would gain nothing: at most a block or two of them is aligned).
+SMALL_RUN = 64 * 2**10
+
+
+# Shard files a sink keeps open at once (each holds two descriptors); the rest are reopened
+# when written to, so 10,000 shards need no more than the common 1024-descriptor limit.
+OPEN_FILES = 32
+
+
+# Runs under SMALL_RUN (a Shard(1)/TP layout's rows, small tensors) are gathered into aligned
+# regions of the file and each region written direct once whole; at most ASSEMBLY_BYTES of
+# regions are held at once (the oldest then goes through the page cache).
+REGION_BYTES = 2**20
+
+
+ASSEMBLY_BYTES = 64 * 2**20
+
+
+@dataclass
+class _Region:
+    """An aligned region of a shard file being assembled from short runs."""
+
+    buf: torch.Tensor  # REGION_BYTES, aligned
+    size: int  # the file's bytes in this region
+    filled: int = 0
+    # tables of rows (src_ptr, offset in it, nbytes) copied in; only the offsets and sizes
+    # are used later (the sources are gone by then)
+    ranges: list[torch.Tensor] = field(default_factory=list)
+
+
+class FileSink:
+    """A checkpoint's files, written into a :class:`~distributed_ext.export.publish.Stage`
+    at their offsets and published whole by :meth:`commit` (a crash at any instant leaves the
+    earlier checkpoint or the new one, never a mix; ``config.json`` is published with the
+    weights). Short runs are assembled into aligned regions (one write each, direct where the
+    filesystem takes it), long ones written as they come; at most ``OPEN_FILES`` are open.
+    """
+
+    def __init__(self, directory: str, files: list[list[Entry]], model: nn.Module | None = None
+                 ) -> None:
+        self.texts = _config_texts(model)
+        self.stage = Stage(directory)
+        n = len(files)
+        self.names = [WEIGHTS_NAME] if n == 1 else [
+            f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.files: list[_direct_io.DirectFile] = []
+        # Per entry index: its file's number and its data's offset in that file.
+        count = sum(len(group) for group in files)
+        file_of, base_of = array.array("q", [0]) * count, array.array("q", [0]) * count
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+        self._lock = threading.Lock()
+        self._open: collections.OrderedDict[_direct_io.DirectFile, int] = \
+            collections.OrderedDict()  # open files -> writers using each now
+        self._regions: collections.OrderedDict[tuple[Any, int], _Region] = \
+            collections.OrderedDict()  # (file, region index) -> being assembled, LRU last
+        self._spilled: set[tuple[Any, int]] = set()  # regions gone to the page cache
+        self._spare: list[torch.Tensor] = []  # region buffers to reuse
+        self._region_lock = threading.Lock()
+        self.heads: dict[Any, bytes] = {}
+        try:
+            for number, (name, group) in enumerate(zip(self.names, files)):
+                head, offsets = safetensors_header(group)
+                size = len(head) + sum(e.nbytes for e in group)
+                file = _direct_io.DirectFile(os.path.join(self.stage.path, name), size)
+                self.files.append(file)
+                file.write(0, torch.frombuffer(bytearray(head), dtype=torch.uint8))
+                self.heads[file] = head  # the first region's assembly starts from it
+                file.close()  # reopened when written to: a bounded number open at once
+                for e in group:
+                    file_of[e.index], base_of[e.index] = number, offsets[e.key]
+                    self.weight_map[e.key] = name
+                    self.total += e.nbytes
+        except BaseException:
+            self.abort()  # no temporary file outlives a failed start
+            raise
+        self._file_of = torch.frombuffer(file_of, dtype=torch.int64) if count else \
+            torch.empty(0, dtype=torch.int64)
+        self._base_of = torch.frombuffer(base_of, dtype=torch.int64) if count else \
+            torch.empty(0, dtype=torch.int64)
+
+    @contextlib.contextmanager
+    def _opened(self, file: _direct_io.DirectFile) -> Iterator[None]:
+        """``file`` open for the block; the least recently used idle one is closed when
+        ``OPEN_FILES`` are open (writers from two threads: dst's own pieces, received)."""
+        with self._lock:
+            users = self._open.pop(file, None)
+            if users is None:
+                while len(self._open) >= OPEN_FILES:
+                    idle = next((f for f, u in self._open.items() if u == 0), None)
+                    if idle is None:
+                        break
+                    del self._open[idle]
+                    idle.close()
+                file.reopen()
+                users = 0
+            self._open[file] = users + 1  # most recently used: last
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[file] -= 1
+
+    def write_batch(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes ``data[at : at + n]`` at ``offset`` of each row's entry (a :func:`_rows`
+        table): runs under ``SMALL_RUN`` bytes are assembled into their file's regions (a
+        few tensor operations and one native copy per region, however many runs), larger
+        ones each through :meth:`DirectFile.write` (direct where it can)."""
+        if not len(rows):
+            return
+        idx = rows[:, ROW_ENTRY]
+        offset = self._base_of[idx] + rows[:, ROW_OFFSET]
+        fid = self._file_of[idx]
+        at, n = rows[:, ROW_AT], rows[:, ROW_NBYTES]
+        small = n < SMALL_RUN
+        if not bool(small.all()):
+            for i in (~small).nonzero().flatten().tolist():
+                file, a = self.files[int(fid[i])], int(at[i])
+                with self._opened(file):
+                    file.write(int(offset[i]), data[a : a + int(n[i])])
+            offset, fid, at, n = offset[small], fid[small], at[small], n[small]
+            if not len(n):
+                return
+        src = at + data.data_ptr()  # data is held by the caller until this returns
+        first, last = int(fid.min()), int(fid.max())
+        if first == last:  # a message's rows: mostly in one file
+            self._assemble(self.files[first], src, offset, n)
+            return
+        for number in torch.unique(fid).tolist():
+            mine = fid == number
+            self._assemble(self.files[number], src[mine], offset[mine], n[mine])
+
+    def _assemble(self, file: _direct_io.DirectFile, src: torch.Tensor, offset: torch.Tensor,
+                  n: torch.Tensor) -> None:
+        """Copies short runs (``src`` pointers, file ``offset``, ``n`` bytes: int64 vectors)
+        into their regions (one native pass per region); a region complete is written
+        whole, direct where the filesystem takes it (through the page cache elsewhere, one
+        write instead of a syscall per run). Regions over ``ASSEMBLY_BYTES`` are spilled,
+        oldest first, through the page cache (a region shared with long runs, which go
+        direct by themselves, completes only at the end)."""
+        index = torch.div(offset, REGION_BYTES, rounding_mode="floor")
+        within = offset - index * REGION_BYTES
+        over = within + n - REGION_BYTES
+        cross = over > 0
+        if bool(cross.any()):  # a run over a region's end: its tail starts the next one
+            tail = over[cross]  # (runs are under SMALL_RUN <= REGION_BYTES: one boundary)
+            head = n - over.clamp(min=0)
+            src = torch.cat((src, src[cross] + head[cross]))
+            index = torch.cat((index, index[cross] + 1))
+            within = torch.cat((within, torch.zeros_like(tail)))
+            n = torch.cat((head, tail))
+        table = torch.stack((src, within, n), 1)
+        if len(index) > 1 and not bool((index[1:] >= index[:-1]).all()):
+            order = torch.argsort(index, stable=True)
+            index, table = index[order], table[order]
+        regions, counts = torch.unique_consecutive(index, return_counts=True)
+        ends = counts.cumsum(0)
+        totals = table[:, 2].cumsum(0)[ends - 1]
+        totals[1:] -= totals[:-1].clone()
+        through_cache: list[torch.Tensor] = []
+        complete: list[tuple[int, _Region]] = []
+        with self._region_lock:
+            begin = 0
+            for index_i, end, nbytes in zip(regions.tolist(), ends.tolist(), totals.tolist()):
+                rows, begin = table[begin:end], end
+                key = (file, index_i)
+                if key in self._spilled:
+                    spilled = rows.clone()
+                    spilled[:, 1] += index_i * REGION_BYTES
+                    through_cache.append(spilled)
+                    continue
+                region = self._regions.get(key)
+                if region is None:
+                    region = self._regions[key] = self._new_region(file, index_i)
+                else:
+                    self._regions.move_to_end(key)
+                _native.pack_segments(region.buf, rows)  # the sources: held by the caller
+                region.filled += nbytes
+                region.ranges.append(rows)  # (their pointers are not kept valid: unused)
+                if region.filled >= region.size:
+                    del self._regions[key]
+                    complete.append((index_i, region))
+            evicted = []
+            while len(self._regions) * REGION_BYTES > ASSEMBLY_BYTES:
+                key, region = self._regions.popitem(last=False)
+                self._spilled.add(key)
+                evicted.append((key, region))
+        if through_cache:
+            with self._opened(file):
+                file.write_segments(torch.cat(through_cache))
+        for index_i, region in complete:
+            with self._opened(file):
+                file.write(index_i * REGION_BYTES, region.buf[: region.size])
+            self._release_region(region)
+        for (other, index_i), region in evicted:
+            self._spill(other, index_i, region)
+
+    def _new_region(self, file: _direct_io.DirectFile, index: int) -> _Region:
+        buf = self._spare.pop() if self._spare else _direct_io.aligned_empty(REGION_BYTES)
+        start = index * REGION_BYTES
+        region = _Region(buf, min(REGION_BYTES, file.size - start))
+        head = self.heads[file]
+        if start < len(head):  # the header's bytes (already in the file) complete it too
+            part = head[start : start + REGION_BYTES]
+            buf[: len(part)].copy_(torch.frombuffer(bytearray(part), dtype=torch.uint8))
+            region.filled = len(part)
+            region.ranges.append(torch.tensor([[0, 0, len(part)]], dtype=torch.int64))
+        return region
+
+    def _release_region(self, region: _Region) -> None:
+        with self._region_lock:
+            if len(self._spare) < 64:
+                self._spare.append(region.buf)
+
+    def _spill(self, file: _direct_io.DirectFile, index: int, region: _Region) -> None:
+        """Writes what a region holds through the page cache (it will not be written direct)."""
+        ranges = torch.cat(region.ranges)
+        within, n = ranges[:, 1], ranges[:, 2]
+        table = torch.stack((within + region.buf.data_ptr(), within + index * REGION_BYTES, n), 1)
+        with self._opened(file):
+            file.write_segments(table)
+        self._release_region(region)
+
+    def _flush_regions(self) -> None:
+        """Writes every region still being assembled (each shares bytes with long runs)."""
+        with self._region_lock:
+            left, self._regions = list(self._regions.items()), collections.OrderedDict()
+        for (file, index), region in left:
+            self._spill(file, index, region)
+
+    def address_shift(self, index: int, offset: int) -> int:
+        """Where a receive buffer for bytes at ``offset`` of entry ``index`` should start
+        (mod ``ALIGN``) for its bytes to be written direct without a copy."""
+        return (int(self._base_of[index]) + offset) % _direct_io.ALIGN
+
+    @property
+    def direct_bytes(self) -> int:
+        return sum(f.direct_bytes for f in self.files)
+
+    def close(self) -> None:
+        with self._lock:
+            for file in self.files:
+                file.close()
+            self._open.clear()
+
+    @property
+    def published(self) -> bool:
+        return self.stage.published
+
+    def abort(self) -> None:
+        """Removes the stage; the directory is as it was (unless already published)."""
+        self.close()
+        self.stage.abort()
+
+    def commit(self) -> None:
+        """Makes the stage durable and publishes it (see the class docstring)."""
+        self._flush_regions()
+        self.close()
+        for file in self.files:
+            _fsync_path(file.path)
+        published = list(self.names)
+        if len(self.names) > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+            _write_file(os.path.join(self.stage.path, INDEX_NAME), json.dumps(index, indent=2))
+            published.append(INDEX_NAME)
+        for name, text in self.texts.items():
+            _write_file(os.path.join(self.stage.path, name), text)
+            published.append(name)
+        self.stage.publish(published, INDEX_NAME if len(self.names) > 1 else WEIGHTS_NAME,
+                           set(self.texts))
+
+
+class MemorySink:
+    """Full CPU tensors on dst, filled in place."""
+
+    def __init__(self, entries: list[Entry], model: nn.Module | None = None) -> None:
+        assert all(e.index == i for i, e in enumerate(entries)), "entries out of plan order"
+        self.keys = [e.key for e in entries]
+        self.tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
+        # Per entry index: where its bytes start and how many it has (a table's rows index
+        # these; the tensors above own the memory).
+        self._ptr = torch.tensor([t.data_ptr() for t in self.tensors.values()],
+                                 dtype=torch.int64)
+        self._size = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
+
+    def write_batch(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copies ``data[at : at + n]`` to ``offset`` of each row's entry (a :func:`_rows`
+        table), in one native pass (bounds checked here: the rows come from the plan)."""
+        if not len(rows):
+            return
+        idx, offset, at, n = rows.unbind(1)
+        bad = (offset < 0) | (offset + n > self._size[idx]) | (at + n > data.numel())
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            k, o, m = int(idx[i]), int(offset[i]), int(n[i])
+            raise ValueError(f"{self.keys[k]!r}: bytes [{o}, {o + m}) lie outside its "
+                             f"{int(self._size[k])} bytes")
+        _native.unpack_segments(data, torch.stack((self._ptr[idx] + offset, at, n), 1))
+
+    def address_shift(self, index: int, offset: int) -> int:
+        """Any address will do: the bytes are copied into place."""
+        return 0
+
+    def abort(self) -> None:
+        """Nothing to undo: the tensors are dropped with the sink."""

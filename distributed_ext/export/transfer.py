@@ -1,0 +1,240 @@
+"""The data round: every buffer allocated up front, then each sender's messages streamed to
+dst while dst writes its own pieces; a sender and dst's receiver are separate paths that
+run on their own ranks."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distributed_ext import _agree, _direct_io, _watch
+from distributed_ext.export.messages import Segment, _message_nbytes, _placement, _rows, plan_messages
+from distributed_ext.export.pieces import Entry
+from distributed_ext.export.stager import _needs_pinned, _PinnedSlots, _Stager
+
+EXPORT_CHUNK_BYTES = 16 * 2**20
+
+
+def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]]) -> None:
+    """Writes this rank's own pieces to the sink, message by message (:func:`plan_messages`):
+    small pieces packed, so the files see one batch of runs per chunk, not one call per
+    tensor; GPU bytes through the stager's pinned slot (never a whole block on the host)."""
+    for message in messages:
+        data, _keep = stager.stage(message, 0, _placement(sink, message))
+        if stager.failure is not None:
+            raise stager.failure
+        sink.write_batch(data, _rows(message))
+
+
+# Buffers of transfers that were posted when a peer failed: the transport may still read or
+# write them, so they are never freed (the group is unusable by then anyway).
+_ABANDONED: list[Any] = []
+
+
+@dataclass
+class _Prepared:
+    """What one rank allocated for the transfer, before it starts (:func:`_prepare_transfer`)."""
+
+    messages: list[list[Segment]]  # this rank's own pieces, as messages
+    stager: _Stager
+    pinned: _PinnedSlots | None
+    gpu_shards: bool
+    # dst only: each sender's messages still to receive, and its free receive buffers
+    plans: dict[int, collections.deque] = field(default_factory=dict)
+    free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def release(self) -> None:
+        if self.pinned is not None:
+            self.pinned.release()
+            self.pinned = None
+
+
+def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
+                      ctx: _agree.GroupContext | None, dst_rank: int,
+                      chunk: int) -> _Prepared:
+    """Plans this rank's messages and allocates every buffer the transfer needs (raising
+    here, in the round that agrees the ranks are ready, rather than mid-stream): dst two
+    receive chunks per sender and its own pieces' slots, a sender its staging slots.
+    ``ctx`` None: one process, no link."""
+    me = 0 if ctx is None else ctx.rank
+    link = torch.device("cpu") if ctx is None else ctx.device
+    on_device = link.type == "cuda"  # NCCL: what crosses the link is device memory
+    world = 1 if ctx is None else ctx.size
+    # Every rank's messages on dst (it receives them all); a sender's own only.
+    pairs = ((e, p) for e in entries for p in e.pieces)
+    if me == dst_rank:
+        streams = plan_messages(pairs, chunk, world)
+    else:
+        streams = [[] for _ in range(world)]
+        streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
+    messages = streams[me]
+    gpu_shards = _needs_pinned(state, messages)  # any of this rank's pieces on a GPU
+    pinned = None
+    try:
+        if me != dst_rank:
+            if gpu_shards and not on_device:
+                pinned = _PinnedSlots(3, chunk)
+            stager = _Stager(state, chunk, link, pinned)
+            stager.reserve(messages)
+            return _Prepared(messages, stager, pinned, gpu_shards)
+        # Pinned slots: 0 for the own-pieces thread (GPU shards), 1 for received device chunks.
+        if gpu_shards or on_device:
+            pinned = _PinnedSlots(2, chunk)
+        stager = _Stager(state, chunk, torch.device("cpu"), pinned)
+        stager.reserve(messages)
+        prepared = _Prepared(messages, stager, pinned, gpu_shards)
+        for r, planned in enumerate(streams):
+            if r == me or not planned:
+                continue
+            prepared.plans[r] = collections.deque(planned)
+            if on_device:
+                prepared.free[r] = list(torch.empty((2, chunk), dtype=torch.uint8, device=link))
+            else:
+                prepared.free[r] = [torch.empty(chunk + 2 * _direct_io.ALIGN, dtype=torch.uint8)
+                                    for _ in range(2)]
+        return prepared
+    except BaseException:
+        if pinned is not None:
+            pinned.release()
+        raise
+
+
+def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
+              ctx: _agree.GroupContext, dst_rank: int, what: str) -> None:
+    """Moves every piece to dst's sink: dst's own directly, the others' over the link.
+
+    Each rank's pieces travel as the messages of :func:`plan_messages`: a large piece's from
+    its own memory, small pieces packed by the compiled core into one chunk. The link carries
+    host chunks on a CPU backend (gloo) and device chunks on NCCL; bytes that live elsewhere
+    than the link wants cross over chunk by chunk (:class:`_Stager`): a GPU shard through
+    pinned slots to gloo, a host shard through device slots to NCCL, and on dst a received
+    device chunk through a pinned slot to the sink. No block is ever copied whole. Every
+    buffer was allocated by :func:`_prepare_transfer`; the pinned ones are released here
+    (kept forever where a peer failed with transfers posted).
+    """
+    me = ctx.rank
+    on_device = ctx.device.type == "cuda"
+    if prepared.gpu_shards:
+        # Our threads copy on their own (default) streams: whatever the caller's streams
+        # still compute into the shards lands first.
+        torch.cuda.synchronize()
+
+    def body(_worker: Any) -> None:
+        if on_device:
+            torch.cuda.set_device(ctx.device)  # a new thread starts on GPU 0
+        if me != dst_rank:
+            _send()
+        else:
+            _receive()
+
+    def _send() -> None:
+        in_flight: collections.deque = collections.deque()  # two sends, with what they read
+        stager = prepared.stager
+        done = False
+
+        def wait_oldest() -> None:
+            work, _keep = in_flight.popleft()
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - names the receiver
+                _ABANDONED.append((in_flight, stager.abandon()))
+                raise _watch.PeerFailure(ctx.ranks[dst_rank], exc) from exc
+
+        try:
+            for i, message in enumerate(prepared.messages):
+                if len(in_flight) == 2:
+                    wait_oldest()  # its slot is free again
+                data, keep = stager.stage(message, i % 3)
+                in_flight.append((dist.isend(data, ctx.ranks[dst_rank], group=ctx.group),
+                                  keep))
+            while in_flight:
+                wait_oldest()
+            if on_device:
+                torch.cuda.current_stream(ctx.device).synchronize()  # every send has left
+            done = True
+        finally:
+            if done:
+                prepared.release()
+        if stager.failure is not None:
+            raise _watch.LocalFailure(stager.failure)
+
+    def _receive() -> None:
+        failures: list[BaseException] = []  # the first is raised; appended from two threads
+        pinned, plans, free = prepared.pinned, prepared.plans, prepared.free
+
+        def write(message: list[Segment], data: torch.Tensor) -> None:
+            # A sink that fails (a full disk) stops writing, but dst keeps receiving, so no
+            # sender is left blocked; the failure is raised once everything has arrived.
+            if failures:
+                return
+            try:
+                sink.write_batch(data, _rows(message))
+            except BaseException as exc:  # noqa: BLE001
+                failures.append(exc)
+
+        def write_own() -> None:
+            if on_device:
+                torch.cuda.set_device(ctx.device)
+            try:
+                _write_own(prepared.stager, sink, prepared.messages)
+            except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
+                failures.append(exc)
+
+        # Two receives in flight per sender, each written as it lands, while a second thread
+        # writes dst's own pieces: the link, the disk and the senders all keep busy.
+        pending: dict[int, collections.deque] = {r: collections.deque() for r in plans}
+
+        def post(r: int) -> None:
+            while plans[r] and free[r]:
+                message = plans[r].popleft()
+                n = _message_nbytes(message)
+                raw = free[r].pop()
+                if on_device:
+                    buf = raw[:n]
+                else:
+                    # Placed as aligned as its place in the file: written direct, no copy.
+                    buf = _direct_io.place(raw, n, _placement(sink, message))
+                work = dist.irecv(buf, ctx.ranks[r], group=ctx.group)
+                pending[r].append((work, raw, buf, message))
+
+        for r in plans:
+            post(r)
+        own = threading.Thread(target=write_own, name=f"distributed_ext {what} (own pieces)",
+                               daemon=True)
+        own.start()
+        clean = False
+        try:
+            while any(pending.values()):
+                for r in plans:
+                    if not pending[r]:
+                        continue
+                    work, raw, buf, message = pending[r].popleft()
+                    try:
+                        work.wait()
+                    except BaseException as exc:  # noqa: BLE001 - names the sender
+                        # Receives still posted keep writing into their buffers: keep them.
+                        _ABANDONED.append((pending, free, pinned))
+                        raise _watch.PeerFailure(ctx.ranks[r], exc) from exc
+                    if on_device:
+                        assert pinned is not None
+                        host = pinned.view(1, buf.numel(), _placement(sink, message))
+                        host.copy_(buf)  # stream-ordered after the receive; host waits
+                        write(message, host)
+                    else:
+                        write(message, buf)
+                    free[r].append(raw)
+                    post(r)
+            clean = True
+        finally:
+            own.join()  # its writes end before anything closes the sink's files
+            if clean:
+                prepared.release()
+        if failures:
+            raise _watch.LocalFailure(failures[0])
+
+    _watch.run_watched(body, ctx.ranks, what)
