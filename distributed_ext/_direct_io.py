@@ -110,12 +110,15 @@ class DirectFile:
     Args:
         path: Created exclusively (``O_EXCL``), mode 0o666 less the umask.
         size: The file's final size; set up front, so that every write lands inside it.
+        create: False: the file exists already, made (and sized) by another writer; it is
+            opened for writing as it is (several processes then write disjoint bytes of it).
     """
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, create: bool = True) -> None:
         self.path = path
         self.size = size
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL if create else os.O_WRONLY
+        self.fd = os.open(path, flags, 0o666)
         self.direct_fd: int | None = None
         self.direct_fd_usable = True
         self.direct_bytes = 0  # written direct (for tests and figures)
@@ -123,7 +126,11 @@ class DirectFile:
         self._local = threading.local()
         self._lock = threading.Lock()
         try:
-            os.ftruncate(self.fd, size)
+            if create:
+                os.ftruncate(self.fd, size)
+            elif os.fstat(self.fd).st_size != size:
+                raise ValueError(f"{path} holds {os.fstat(self.fd).st_size} bytes, not the "
+                                 f"{size} its writers agreed on")
             flag = getattr(os, "O_DIRECT", 0)
             if flag and not on_ram_filesystem(path):
                 with contextlib.suppress(OSError):  # EINVAL where refused: page cache only

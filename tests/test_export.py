@@ -304,7 +304,7 @@ def _plain_state(out):
         f"rank{r}.only": torch.full((300,), float(r), dtype=torch.bfloat16),
         "fp8": torch.linspace(-2, 2, 64).to(torch.float8_e4m3fn),
     }
-    return _counting_sends(lambda: dx.export_hf_checkpoint(state, out))
+    return _counting_sends(lambda: dx.export_hf_checkpoint(state, out, writers="dst"))
 
 
 def test_plain_state_replicas_never_cross_the_link_and_unique_keys_come_from_their_rank(tmp_path):
@@ -352,7 +352,8 @@ def _export_with_a_plan(out, case):
                 dx.export_hf_checkpoint(model, out, group=group)
             first = ("ok", 0)
         else:
-            first = ("ok", _counting_sends(lambda: dx.export_hf_checkpoint(model, out)))
+            first = ("ok", _counting_sends(
+                lambda: dx.export_hf_checkpoint(model, out, writers="dst")))
     except Exception as exc:
         first = ("raised", type(exc).__name__, str(exc))
     return first, dx.all_reduce("after", lambda: 1, sum)
@@ -464,8 +465,11 @@ def test_bad_entries_raise_on_every_rank_before_any_byte_moves(kind, own, text, 
     assert sorted(os.listdir(out)) == ["keep.txt"]  # nothing written, nothing removed
 
 
-def _disk_fills(out):
-    if dist.get_rank() == 0:
+def _disk_fills(out, writers):
+    # dst's disk (it writes what arrives), or with writers="all" the disk of the rank that
+    # holds the bytes and writes them itself.
+    victim = 0 if writers == "dst" else 1
+    if dist.get_rank() == victim:
         from distributed_ext import _direct_io
 
         # The disk fills after the header and a few writes, whichever way they go (one run
@@ -484,28 +488,32 @@ def _disk_fills(out):
         _direct_io.DirectFile.write_segments = filling(_direct_io.DirectFile.write_segments)
     state = {f"w{i}": torch.full((50_000,), float(i)) for i in range(6)} if dist.get_rank() \
         else {}
-    return _export_then_use_the_group(state, out, 64 * 1024)
+    return _export_then_use_the_group(state, out, 64 * 1024, writers)
 
 
-def _export_then_use_the_group(state, out, chunk):
+def _export_then_use_the_group(state, out, chunk, writers="auto"):
     """Exports, catching what it raises, then checks the group is usable at once."""
     try:
-        dx.export_hf_checkpoint(state, out, chunk_bytes=chunk)
+        dx.export_hf_checkpoint(state, out, chunk_bytes=chunk, writers=writers)
         first = ("ok",)
     except Exception as exc:
         first = ("raised", type(exc).__name__, str(exc))
     return first, dx.all_reduce("after", lambda: 1, sum)
 
 
-def test_a_disk_that_fills_fails_every_rank_and_leaves_the_directory_as_it_was(tmp_path):
+@pytest.mark.parametrize("writers", ["dst", "all"])
+def test_a_disk_that_fills_fails_every_rank_and_leaves_the_directory_as_it_was(writers,
+                                                                              tmp_path):
     out = tmp_path / "ckpt"
     out.mkdir()
     old = b"an earlier checkpoint"
     (out / "model.safetensors").write_bytes(old)
-    values = assert_all_ok(run_ranks(_disk_fills, 2, str(out)))
-    assert values[0][0][:2] == ("raised", "OSError")
-    assert values[1][0][:2] == ("raised", "RuntimeError") and "rank 0 failed with OSError" in (
-        values[1][0][2])
+    values = assert_all_ok(run_ranks(_disk_fills, 2, str(out), writers))
+    victim = 0 if writers == "dst" else 1
+    assert values[victim][0][:2] == ("raised", "OSError")
+    other = values[1 - victim][0]
+    assert other[:2] == ("raised", "RuntimeError") and \
+        f"rank {victim} failed with OSError" in other[2], other
     assert all(after == 2 for _first, after in values)
     assert sorted(os.listdir(out)) == ["model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == old
@@ -552,7 +560,7 @@ def _peak_during_export(out, nbytes):
     before = read_rss()
     t = threading.Thread(target=sample)
     t.start()
-    dx.export_hf_checkpoint(state, out)
+    dx.export_hf_checkpoint(state, out, writers="dst")
     stop.set()
     t.join()
     return max(peak) - before, written
@@ -1077,7 +1085,7 @@ def _short_runs_export(out):
         written.append((self.direct_bytes, self.total, self.files[0].direct_capable))
 
     E.FileSink.commit = commit
-    dx.export_hf_checkpoint(state, out)
+    dx.export_hf_checkpoint(state, out, writers="dst")
     return written, {k: v.full_tensor() for k, v in state.items()}
 
 
@@ -1132,7 +1140,9 @@ def _interrupted_on_dst(out, where):
     outcomes = []
     for i in range(3):  # the group stays in step: the same round on every rank each time
         try:
-            dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB")
+            # (writers="dst": the patch counts dst's writes of what arrives)
+            dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB",
+                                    writers="dst" if where == "transfer" else "auto")
             outcome = ("ok",)
         except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt included
             outcome = ("raised", type(exc).__name__, str(exc))
@@ -1360,3 +1370,92 @@ def test_planning_every_rank_at_once_equals_planning_each_rank_alone():
     for r in range(3):
         alone = E.plan_messages([(e, p) for e, p in pairs if p.rank == r], 4096)
         assert together[r] == alone and alone, r
+
+
+# -- writers="all": every rank writes its own bytes --------------------------------------------
+
+
+def _written_bytes() -> int:
+    """Bytes this process passed to write calls so far (``wchar`` of /proc/self/io)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def _both_writers(base):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    r, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    # Every placement and dtype: uneven and empty shards, short Shard(1) runs, replicas.
+    state = {
+        "fsdp": distribute_tensor(torch.randn(1024, 256, generator=g), mesh, [Shard(0)]),
+        "uneven": distribute_tensor(torch.randn(7, 33, generator=g), mesh, [Shard(0)]),
+        "tp": distribute_tensor(torch.randn(64, 96, generator=g).bfloat16(), mesh, [Shard(1)]),
+        "rep": distribute_tensor(torch.randint(-9, 9, (300,), generator=g, dtype=torch.int8),
+                                 mesh, [Replicate()]),
+        "flags": torch.arange(77) % 3 == 0,  # a plain tensor every rank holds
+        f"own{r}": torch.full((5000,), float(r), dtype=torch.float16),  # only this rank's
+    }
+    out = {}
+    for writers in ("all", "dst"):
+        before = _written_bytes()
+        sent = _counting_sends(lambda w=writers: dx.export_hf_checkpoint(
+            state, os.path.join(base, w), writers=w, max_shard_size="300KB"))
+        out[writers] = (sent, _written_bytes() - before)
+    fsdp_share = 1024 * 256 * 4 // world
+    return out, fsdp_share
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_writes_its_own_bytes_into_the_same_files_the_single_writer_makes(world,
+                                                                                     tmp_path):
+    values = assert_all_ok(run_ranks(_both_writers, world, str(tmp_path), timeout=180))
+    names = sorted(os.listdir(tmp_path / "dst"))
+    assert names == sorted(os.listdir(tmp_path / "all")) and E.INDEX_NAME in names
+    for name in names:  # byte for byte
+        assert (tmp_path / "all" / name).read_bytes() == (tmp_path / "dst" / name).read_bytes()
+    total = sum(os.path.getsize(tmp_path / "all" / n) for n in names if n != E.INDEX_NAME)
+    for r, (got, fsdp_share) in enumerate(values):
+        sent_all, wrote_all = got["all"]
+        sent_dst, wrote_dst = got["dst"]
+        assert sent_all == 0, (r, sent_all)  # nothing crosses the link
+        # Each rank writes about its share (its FSDP block at least), never the checkpoint.
+        assert fsdp_share <= wrote_all < total / world + 2**20, (r, wrote_all, total)
+        if r == 0:
+            assert wrote_dst >= total  # the single writer writes every byte ...
+        else:
+            assert sent_dst > fsdp_share and wrote_dst < 2**20  # ... the others send theirs
+
+
+def _blind_rank(out, writers):
+    if dist.get_rank() == 1:  # this rank's view of the directory is another filesystem
+        from distributed_ext.export import writers as export_writers
+
+        export_writers._sees = lambda stage, token: False
+    state = {f"w{dist.get_rank()}": torch.full((1000,), 1.0)}
+    sent = []
+    outcome = _outcome(lambda: sent.append(_counting_sends(
+        lambda: dx.export_hf_checkpoint(state, out, writers=writers))))
+    return outcome, sent, dx.all_reduce("after", lambda: 1, sum)
+
+
+def test_writers_all_on_a_directory_a_rank_does_not_see_is_refused_and_auto_falls_back(
+        tmp_path):
+    out = tmp_path / "ckpt"
+    values = assert_all_ok(run_ranks(_blind_rank, 3, str(out), "all"))
+    for outcome, _sent, after in values:
+        assert outcome[0] == "raised" and outcome[1] == "ValueError", outcome
+        assert "writers='all', but rank(s) [1] do not see directory=" in outcome[2], outcome
+        assert after == 3
+    assert not out.exists() and not [n for n in os.listdir(tmp_path) if "dext" in n]
+    values = assert_all_ok(run_ranks(_blind_rank, 3, str(out), "auto"))
+    assert [v[0][0] for v in values] == ["ok"] * 3
+    assert values[1][1][0] > 0  # the fallback: dst writes, rank 1 sends its bytes
+    assert sorted(_read_checkpoint(out)) == ["w0", "w1", "w2"]
+
+
+def test_writers_must_be_auto_all_or_dst(tmp_path):
+    with pytest.raises(ValueError, match="writers='some'; pass 'auto'"):
+        dx.export_hf_checkpoint({"w": torch.ones(2)}, str(tmp_path / "x"), writers="some")
+    assert not (tmp_path / "x").exists()

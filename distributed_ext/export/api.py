@@ -37,7 +37,7 @@ import contextlib
 import gc
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -47,11 +47,20 @@ import torch.nn as nn
 from distributed_ext import _agree, _watch, runtime
 from distributed_ext.collectives import _require_group_if_launched, all_reduce
 from distributed_ext.export import keys as _keys
-from distributed_ext.export.entries import Described, describe_state, resolve_described, resolve_state
+from distributed_ext.export.entries import (
+    Described,
+    _Args,
+    _check_args,
+    describe_state,
+    resolve_described,
+    resolve_state,
+)
 from distributed_ext.export.pieces import Entry, agree_plan, check_keys, merge_holdings, plan_entries
+from distributed_ext.export.publish import _commit_round
 from distributed_ext.export.safetensors import _DTYPE_BY_NAME, layout_files, parse_shard_size
 from distributed_ext.export.sinks import FileSink, MemorySink
 from distributed_ext.export.transfer import EXPORT_CHUNK_BYTES, _prepare_transfer, _transfer, _write_own
+from distributed_ext.export.writers import WRITERS, check_writers, resolve_writers
 from distributed_ext.plan import recorded_plan
 
 __all__ = ["export_hf_checkpoint", "gather_full_state"]
@@ -72,44 +81,21 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@dataclass
-class _Args:
-    """The arguments every rank must pass alike, checked on each and agreed in the metadata
-    round (a ``dst`` or ``chunk_bytes`` that differs between ranks would leave them waiting
-    for messages that never come, or abort the transport)."""
-
-    dst: int
-    chunk_bytes: int
-    extra: tuple[tuple[str, Any], ...] = ()  # (argument name, value) of the caller's own
-
-
-def _check_args(described: list[Described], ctx: _agree.GroupContext, what: str) -> None:
-    """ValueError on every rank alike if the ranks passed different arguments."""
-    first = described[0].args
-    for name, index in [("dst", None), ("chunk_bytes", None)] + [
-            (n, i) for i, (n, _v) in enumerate(first.extra)]:
-        if index is None:
-            values = [getattr(d.args, name) for d in described]
-        else:
-            values = [d.args.extra[index][1] for d in described]
-        if any(v != values[0] for v in values):
-            listing = ", ".join(f"rank {ctx.ranks[r]}: {v!r}" for r, v in enumerate(values))
-            raise ValueError(f"{what}: {name} differs between ranks ({listing}); every rank "
-                             f"must pass the same {name}")
-
-
 def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup | None,
-            make_sink: Callable[[list[Entry], nn.Module | None], Any],
+            make_sink: Callable[[list[Entry], nn.Module | None, str | None], Any],
             chunk_bytes: int | None, what: str, hub_keys: bool = True,
             extra_args: tuple[tuple[str, Any], ...] = (), commit: bool = False,
-            check: Callable[[], Any] | None = None) -> tuple[Any, nn.Module | None]:
+            check: Callable[[], Any] | None = None, writers: str = "dst"
+            ) -> tuple[Any, nn.Module | None]:
     """The rounds of the module docstring; returns (dst's sink, the model).
 
-    ``make_sink(entries, model)`` runs on dst in the preparing round (its failure is
-    agreed). With ``commit``, dst commits the sink in a last round that every rank joins,
-    so that no rank returns before the checkpoint is in place and a failed commit is raised
-    on every rank. ``check()`` validates the caller's own arguments (``extra_args``) on every
-    rank, inside the metadata round.
+    ``make_sink(entries, model, join)`` runs on dst in the preparing round (its failure is
+    agreed); with ``writers`` "all" or "auto" (:mod:`.writers`), where every rank sees dst's
+    stage, it runs on every other rank too, with ``join`` that stage's path. With ``commit``,
+    dst commits the sink in a last round that every rank joins, so that no rank returns
+    before the checkpoint is in place and a failed commit is raised on every rank.
+    ``check()`` validates the caller's own arguments (``extra_args``) on every rank, inside
+    the metadata round.
     """
 
     def resolve_chunk() -> int:
@@ -156,7 +142,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         describe(held)
         state, model = held["local"], held["model"]
         entries = plan([held["described"]], model, 0, [0])
-        sink = make_sink(entries, model)
+        sink = make_sink(entries, model, None)
         prepared = None
         try:
             prepared = _prepare_transfer(state, entries, None, 0, held["chunk"])
@@ -186,31 +172,67 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         # A sender makes only its own pieces; dst all of them (it lays out the files).
         entries = plan(described, model, dst_rank, ctx.ranks,
                        None if ctx.rank == dst_rank else ctx.rank)
-        sink = None
-        prepared = None
-        try:
+        parts: dict[str, Any] = {"sink": None, "prepared": None}
+
+        def agreed(stage: str, step: Callable[[], None]) -> None:
+            """Runs ``step`` here and agrees its outcome; on any failure (on any rank) the
+            buffers are released and dst's stage removed, then every rank raises."""
+            try:
+                step()
+                status = _agree.Status()
+            except BaseException as exc:  # noqa: BLE001 - carried to every rank
+                status = _agree.Status.failed(exc)
+            try:
+                _agree.raise_first_failure(f"{what} ({stage})",
+                                           _agree.exchange(status, ctx, what), ctx, status)
+            except BaseException:
+                if parts["prepared"] is not None:
+                    parts["prepared"].release()
+                if parts["sink"] is not None:
+                    parts["sink"].abort()
+                raise
+
+        def prepare() -> None:
             interrupted = deferred.take()  # one that landed in the metadata round fails here
             if interrupted is not None:
                 raise interrupted
             if ctx.rank == dst_rank:
-                sink = make_sink(entries, model)
-            prepared = _prepare_transfer(state, entries, ctx, dst_rank, chunk)
-            status = _agree.Status()
-        except BaseException as exc:  # noqa: BLE001 - carried to every rank
-            status = _agree.Status.failed(exc)
-        try:
-            _agree.raise_first_failure(f"{what} (preparing)",
-                                       _agree.exchange(status, ctx, what), ctx, status)
-        except BaseException:
-            if prepared is not None:
-                prepared.release()
-            if sink is not None:
-                sink.abort()
-            raise
+                parts["sink"] = make_sink(entries, model, None)
+            if writers == "dst":
+                parts["prepared"] = _prepare_transfer(state, entries, ctx, dst_rank, chunk)
+
+        agreed("preparing", prepare)
+        mode = "dst"
+        if writers != "dst":
+            try:
+                mode, stage = resolve_writers(
+                    writers, None if parts["sink"] is None else parts["sink"].stage.path, ctx,
+                    dst_rank, group, what, dict(extra_args).get("directory"))
+            except BaseException:
+                if parts["sink"] is not None:
+                    parts["sink"].abort()
+                raise
+
+            def join() -> None:
+                if mode == "all" and ctx.rank != dst_rank:
+                    parts["sink"] = make_sink(entries, model, stage)
+                parts["prepared"] = _prepare_transfer(state, entries, ctx, dst_rank, chunk,
+                                                      local=mode == "all")
+
+            agreed("preparing the writers", join)
+        sink, prepared = parts["sink"], parts["prepared"]
         assert prepared is not None
         failure: BaseException | None = None
         try:
-            _transfer(state, prepared, sink, ctx, dst_rank, what)
+            if mode == "all":  # every rank writes its own pieces; nothing crosses the link
+                try:
+                    _write_own(prepared.stager, sink, prepared.messages)
+                    if ctx.rank != dst_rank:
+                        sink.finish()
+                finally:
+                    prepared.release()
+            else:
+                _transfer(state, prepared, sink, ctx, dst_rank, what)
         except _watch.PeerFailure as exc:
             if sink is not None:
                 sink.abort()
@@ -226,50 +248,17 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             if sink is not None:
                 sink.abort()
             raise
+        if ctx.rank != dst_rank:
+            sink = None  # (a writer's own files: closed; dst publishes them)
         if commit:
             _commit_round(sink, ctx, deferred, what)
     return sink, model
 
 
-def _commit_round(sink: Any, ctx: _agree.GroupContext,
-                  deferred: _watch.DeferredInterrupts, what: str) -> None:
-    """dst publishes the checkpoint; every rank then learns whether it did (a failed commit
-    -- a config that does not serialize, an fsync or rename error, Ctrl-C -- raises on every
-    rank, naming dst's error; the directory then holds the earlier checkpoint)."""
-    committed = False
-    try:
-        if sink is not None:
-            interrupted = deferred.take()
-            if interrupted is not None:
-                raise interrupted  # before anything is published: nothing changes
-            sink.commit()
-            committed = True
-        # A Ctrl-C during the commit (or, on a sender, while it waited for it): carried in
-        # this round like any failure, so that every rank raises alike.
-        late = deferred.take()
-        if late is not None:
-            raise late
-        status = _agree.Status()
-    except BaseException as exc:  # noqa: BLE001 - carried to every rank
-        if sink is not None and not committed:
-            sink.abort()
-        status = _agree.Status.failed(exc)
-    try:
-        statuses = _agree.exchange(status, ctx, what)
-    except RuntimeError as exc:
-        if committed:
-            # A peer died after the data had all arrived: the checkpoint is complete and in
-            # place; the group, though, is unusable.
-            raise RuntimeError(f"{exc} (the checkpoint itself is complete: it was published "
-                               "before the failure)") from exc
-        raise
-    _agree.raise_first_failure(f"{what} (commit)", statuses, ctx, status)
-
-
 def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.PathLike[str],
                          dst: int = 0, group: dist.ProcessGroup | None = None, *,
                          max_shard_size: int | str = "5GB",
-                         chunk_bytes: int | None = None) -> None:
+                         chunk_bytes: int | None = None, writers: str = "auto") -> None:
     """Writes a sharded model's full state as ONE Hugging Face checkpoint on global rank ``dst``.
 
     Collective over ``group``. ``model_or_state`` is an ``nn.Module`` or a state dict. A
@@ -296,6 +285,16 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     ``max_shard_size`` each plus ``model.safetensors.index.json``, readable by
     ``safetensors.safe_open`` and ``from_pretrained``.
 
+    Writers: with ``writers="all"`` every rank writes the bytes of its own pieces into the
+    files at their final offsets (dst makes the files and publishes them), so an FSDP2
+    model's bytes never cross the link and the export runs at the speed of every rank's
+    disk path; a replicated block is written once, by one of its holders. That needs a
+    directory every rank sees as dst does (a shared filesystem, or one machine): dst writes
+    a probe with a random token into its stage and every rank reads it back. ``"dst"``: dst
+    writes every byte (no shared filesystem needed). ``"auto"`` (default): ``"all"`` where
+    every rank sees the directory, else ``"dst"``; ``"all"`` where some rank does not is a
+    ValueError on every rank naming those ranks. Same files, byte for byte, either way.
+
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two
     transport chunks per sender (``chunk_bytes``, default 16 MiB), two 8 MiB bounce buffers
@@ -309,7 +308,9 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     publishing). A sender holds
     its shards, three 1 MiB slots where its small pieces are packed, and at most one
     contiguous copy of one piece at a time where a piece is not contiguous in its shard (a
-    transposed or column block), on the piece's own device.
+    transposed or column block), on the piece's own device. With ``writers="all"`` every
+    rank holds what dst holds for its own pieces (three slots, regions of its short runs,
+    bounce buffers) and no transport chunk.
 
     Cost: by bytes, not tensor count. Pieces under 1 MiB are packed into shared messages by
     the compiled core and written by dst in one native call per file and message; the
@@ -344,12 +345,14 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
         group: The process group (default: the world).
         max_shard_size: The largest file, in bytes or as ``"5GB"``/``"500MiB"``.
         chunk_bytes: Transport piece size (default 16 MiB).
+        writers: ``"auto"``, ``"all"`` or ``"dst"``: who writes the files (see Writers).
     """
     what = "export_hf_checkpoint"
     path = os.fspath(directory)
 
-    def make_sink(entries: list[Entry], model: nn.Module | None) -> FileSink:
-        return FileSink(path, layout_files(entries, parse_shard_size(max_shard_size)), model)
+    def make_sink(entries: list[Entry], model: nn.Module | None, join: str | None) -> FileSink:
+        return FileSink(path, layout_files(entries, parse_shard_size(max_shard_size)), model,
+                        join)
 
     # Checked on every rank and agreed in the metadata round, with dst and chunk_bytes
     # ("5GB" and 5000000000 are the same size: compared parsed, where they parse).
@@ -357,10 +360,16 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
         shard_value: Any = parse_shard_size(max_shard_size)
     except (TypeError, ValueError):
         shard_value = max_shard_size  # raised by check() inside the round, on this rank
-    extra = (("max_shard_size", shard_value), ("directory", path))
+    extra = (("max_shard_size", shard_value), ("directory", path), ("writers", writers))
+
+    def check() -> None:
+        parse_shard_size(max_shard_size)
+        check_writers(writers, what)
+
     with _cyclic_gc_paused():
         _export(model_or_state, dst, group, make_sink, chunk_bytes, what,
-                extra_args=extra, commit=True, check=lambda: parse_shard_size(max_shard_size))
+                extra_args=extra, commit=True, check=check,
+                writers=writers if writers in WRITERS else "dst")
 
 
 def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
@@ -381,6 +390,7 @@ def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
     """
     what = "gather_full_state"
     with _cyclic_gc_paused():
-        sink, _model = _export(model_or_state, dst, group, MemorySink, None, what,
-                               hub_keys=hub_keys)
+        sink, _model = _export(model_or_state, dst, group,
+                               lambda entries, model, _join: MemorySink(entries, model), None,
+                               what, hub_keys=hub_keys)
     return None if sink is None else sink.tensors

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distributed_ext import _agree
 from distributed_ext._dtensor import dtensor_type
 from distributed_ext.collectives import all_reduce
 from distributed_ext.export.safetensors import SAFETENSORS_DTYPES, _dtype_name
@@ -277,3 +278,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         local = getattr(t, "_local_tensor", None)
         return local if isinstance(local, torch.Tensor) else t.to_local()
     return t
+
+
+@dataclass
+class _Args:
+    """The arguments every rank must pass alike, checked on each and agreed in the metadata
+    round (a ``dst`` or ``chunk_bytes`` that differs between ranks would leave them waiting
+    for messages that never come, or abort the transport)."""
+
+    dst: int
+    chunk_bytes: int
+    extra: tuple[tuple[str, Any], ...] = ()  # (argument name, value) of the caller's own
+
+
+def _check_args(described: list[Described], ctx: _agree.GroupContext, what: str) -> None:
+    """ValueError on every rank alike if the ranks passed different arguments."""
+    first = described[0].args
+    for name, index in [("dst", None), ("chunk_bytes", None)] + [
+            (n, i) for i, (n, _v) in enumerate(first.extra)]:
+        if index is None:
+            values = [getattr(d.args, name) for d in described]
+        else:
+            values = [d.args.extra[index][1] for d in described]
+        if any(v != values[0] for v in values):
+            listing = ", ".join(f"rank {ctx.ranks[r]}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"{what}: {name} differs between ranks ({listing}); every rank "
+                             f"must pass the same {name}")

@@ -10,10 +10,11 @@ import os
 import re
 import shutil
 import uuid
+from typing import Any
 
 import torch.nn as nn
 
-from distributed_ext import _native
+from distributed_ext import _agree, _native, _watch
 from distributed_ext.export.safetensors import _SHARD_RE, INDEX_NAME, WEIGHTS_NAME
 
 # Files an export publishes; whatever else a directory holds (a tokenizer, a README) is kept.
@@ -205,3 +206,38 @@ class Stage:
                     os.unlink(target(name))
         self.published = True
         _remove(self.path)
+
+
+def _commit_round(sink: Any, ctx: _agree.GroupContext,
+                  deferred: _watch.DeferredInterrupts, what: str) -> None:
+    """dst publishes the checkpoint; every rank then learns whether it did (a failed commit
+    -- a config that does not serialize, an fsync or rename error, Ctrl-C -- raises on every
+    rank, naming dst's error; the directory then holds the earlier checkpoint)."""
+    committed = False
+    try:
+        if sink is not None:
+            interrupted = deferred.take()
+            if interrupted is not None:
+                raise interrupted  # before anything is published: nothing changes
+            sink.commit()
+            committed = True
+        # A Ctrl-C during the commit (or, on a sender, while it waited for it): carried in
+        # this round like any failure, so that every rank raises alike.
+        late = deferred.take()
+        if late is not None:
+            raise late
+        status = _agree.Status()
+    except BaseException as exc:  # noqa: BLE001 - carried to every rank
+        if sink is not None and not committed:
+            sink.abort()
+        status = _agree.Status.failed(exc)
+    try:
+        statuses = _agree.exchange(status, ctx, what)
+    except RuntimeError as exc:
+        if committed:
+            # A peer died after the data had all arrived: the checkpoint is complete and in
+            # place; the group, though, is unusable.
+            raise RuntimeError(f"{exc} (the checkpoint itself is complete: it was published "
+                               "before the failure)") from exc
+        raise
+    _agree.raise_first_failure(f"{what} (commit)", statuses, ctx, status)

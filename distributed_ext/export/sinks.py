@@ -61,10 +61,13 @@ class FileSink:
     filesystem takes it), long ones written as they come; at most ``OPEN_FILES`` are open.
     """
 
-    def __init__(self, directory: str, files: list[list[Entry]], model: nn.Module | None = None
-                 ) -> None:
+    def __init__(self, directory: str, files: list[list[Entry]], model: nn.Module | None = None,
+                 join: str | None = None) -> None:
+        """``join``: the stage another rank (dst) made, whose files this rank writes its own
+        bytes into (``writers="all"``); it neither creates, nor publishes, nor removes them."""
         self.texts = _config_texts(model)
-        self.stage = Stage(directory)
+        self.stage = Stage(directory) if join is None else None
+        where = self.stage.path if self.stage is not None else join
         n = len(files)
         self.names = [WEIGHTS_NAME] if n == 1 else [
             f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -87,9 +90,11 @@ class FileSink:
             for number, (name, group) in enumerate(zip(self.names, files)):
                 head, offsets = safetensors_header(group)
                 size = len(head) + sum(e.nbytes for e in group)
-                file = _direct_io.DirectFile(os.path.join(self.stage.path, name), size)
+                file = _direct_io.DirectFile(os.path.join(where, name), size,
+                                             create=join is None)
                 self.files.append(file)
-                file.write(0, torch.frombuffer(bytearray(head), dtype=torch.uint8))
+                if join is None:
+                    file.write(0, torch.frombuffer(bytearray(head), dtype=torch.uint8))
                 self.heads[file] = head  # the first region's assembly starts from it
                 file.close()  # reopened when written to: a bounded number open at once
                 for e in group:
@@ -270,19 +275,27 @@ class FileSink:
 
     @property
     def published(self) -> bool:
-        return self.stage.published
+        return self.stage is not None and self.stage.published
 
     def abort(self) -> None:
-        """Removes the stage; the directory is as it was (unless already published)."""
+        """Removes the stage; the directory is as it was (unless already published). A
+        joined sink only closes its files (dst removes the stage)."""
         self.close()
-        self.stage.abort()
+        if self.stage is not None:
+            self.stage.abort()
 
-    def commit(self) -> None:
-        """Makes the stage durable and publishes it (see the class docstring)."""
+    def finish(self) -> None:
+        """Writes what regions still hold and makes this rank's bytes durable."""
         self._flush_regions()
         self.close()
         for file in self.files:
             _fsync_path(file.path)
+
+    def commit(self) -> None:
+        """Makes the stage durable and publishes it (see the class docstring); dst only,
+        once every writer has finished."""
+        assert self.stage is not None, "a joined sink does not publish"
+        self.finish()
         published = list(self.names)
         if len(self.names) > 1:
             index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}

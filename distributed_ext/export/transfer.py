@@ -56,18 +56,23 @@ class _Prepared:
 
 def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
                       ctx: _agree.GroupContext | None, dst_rank: int,
-                      chunk: int) -> _Prepared:
+                      chunk: int, local: bool = False) -> _Prepared:
     """Plans this rank's messages and allocates every buffer the transfer needs (raising
     here, in the round that agrees the ranks are ready, rather than mid-stream): dst two
     receive chunks per sender and its own pieces' slots, a sender its staging slots.
-    ``ctx`` None: one process, no link."""
+    ``ctx`` None: one process, no link. ``local``: every rank writes its own pieces itself
+    (``writers="all"``): its own messages and host slots only, nothing received."""
     me = 0 if ctx is None else ctx.rank
+    if local:
+        ctx, dst_rank = None, me  # as one process: its own pieces to its own sink
     link = torch.device("cpu") if ctx is None else ctx.device
     on_device = link.type == "cuda"  # NCCL: what crosses the link is device memory
     world = 1 if ctx is None else ctx.size
     # Every rank's messages on dst (it receives them all); a sender's own only.
     pairs = ((e, p) for e in entries for p in e.pieces)
-    if me == dst_rank:
+    if local:
+        streams = {me: plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)}
+    elif me == dst_rank:
         streams = plan_messages(pairs, chunk, world)
     else:
         streams = [[] for _ in range(world)]
@@ -88,7 +93,7 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         stager = _Stager(state, chunk, torch.device("cpu"), pinned)
         stager.reserve(messages)
         prepared = _Prepared(messages, stager, pinned, gpu_shards)
-        for r, planned in enumerate(streams):
+        for r, planned in (enumerate(streams) if not local else ()):
             if r == me or not planned:
                 continue
             prepared.plans[r] = collections.deque(planned)

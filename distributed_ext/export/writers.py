@@ -1,0 +1,84 @@
+"""Who writes the checkpoint's files: dst alone, or every rank its own bytes.
+
+``writers="all"``: dst makes the stage and its files (headers written, sizes set); every rank
+opens them and writes the bytes of its own pieces at their final offsets, so that almost
+nothing crosses the link -- a rank's Shard(0) block of a row-major tensor is one run of the
+file. Replicated blocks are written once, by the holder the plan chose (the writing spread
+over the holders). Bytes two ranks write into one page go through the page cache; only
+aligned blocks wholly inside one rank's run are written direct, so no two ranks ever write
+one block direct. Every rank fsyncs what it wrote; dst publishes once all have.
+
+That needs a directory every rank sees as dst does: dst writes a probe file with a random
+token into the stage, every rank reads it back, and the answers are agreed. ``"auto"`` then
+picks ``"all"`` where every rank sees it, else ``"dst"``; ``"all"`` on a directory some rank
+does not see is a ValueError on every rank naming those ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from typing import Any
+
+import torch.distributed as dist
+
+from distributed_ext import _agree
+from distributed_ext.collectives import all_reduce, broadcast_from
+
+WRITERS = ("auto", "all", "dst")
+PROBE_NAME = ".dext-probe"
+
+
+def check_writers(writers: Any, what: str) -> str:
+    """``writers`` if it is one of :data:`WRITERS`; ValueError naming the argument else."""
+    if not isinstance(writers, str) or writers not in WRITERS:
+        raise ValueError(f"{what}: writers={writers!r}; pass 'auto' (every rank writes its own "
+                         "bytes where every rank sees the directory, else dst), 'all' or 'dst'")
+    return writers
+
+
+def _sees(stage: str, token: str) -> bool:
+    """Whether this rank reads dst's probe in ``stage`` (the same directory, not a namesake)."""
+    try:
+        with open(os.path.join(stage, PROBE_NAME), encoding="utf-8") as f:
+            return f.read() == token
+    except OSError:
+        return False
+
+
+def resolve_writers(writers: str, stage: str | None, ctx: _agree.GroupContext, dst_rank: int,
+                    group: dist.ProcessGroup | None, what: str, directory: Any
+                    ) -> tuple[str, str]:
+    """``("all" | "dst", dst's stage path)``, the same on every rank (two agreed rounds).
+
+    ``stage``: dst's stage directory (None elsewhere). Raises ValueError on every rank when
+    ``writers == "all"`` and some rank does not see it.
+    """
+    dst_global = ctx.ranks[dst_rank]
+
+    def probe() -> tuple[str, str]:
+        assert stage is not None
+        token = uuid.uuid4().hex
+        with open(os.path.join(stage, PROBE_NAME), "w", encoding="utf-8") as f:
+            f.write(token)
+        return stage, token
+
+    where, token = broadcast_from(f"{what}: stage", probe, dst_global, group)
+    try:
+        seen = all_reduce(f"{what}: who sees the directory", lambda: _sees(where, token),
+                          list, group)
+    finally:
+        if stage is not None:  # never published with the checkpoint
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(stage, PROBE_NAME))
+    blind = [ctx.ranks[r] for r, ok in enumerate(seen) if not ok]
+    if not blind:
+        return "all", where
+    if writers == "all":
+        raise ValueError(
+            f"{what}: writers='all', but rank(s) {blind} do not see directory={directory!r} "
+            f"as dst (rank {dst_global}) does (another filesystem or mount under that path); "
+            "pass writers='dst' (dst writes every byte) or a directory on a filesystem every "
+            "rank shares")
+    return "dst", where
