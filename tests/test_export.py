@@ -1403,7 +1403,7 @@ def _both_writers(base):
         sent = _counting_sends(lambda w=writers: dx.export_hf_checkpoint(
             state, os.path.join(base, w), writers=w, max_shard_size="300KB"))
         out[writers] = (sent, _written_bytes() - before)
-    fsdp_share = 1024 * 256 * 4 // world
+    fsdp_share = state["fsdp"].to_local().numel() * 4  # this rank's block
     return out, fsdp_share
 
 
@@ -1419,7 +1419,10 @@ def test_every_rank_writes_its_own_bytes_into_the_same_files_the_single_writer_m
     for r, (got, fsdp_share) in enumerate(values):
         sent_all, wrote_all = got["all"]
         sent_dst, wrote_dst = got["dst"]
-        assert sent_all == 0, (r, sent_all)  # nothing crosses the link
+        # Only pieces of short runs cross the link (here the Shard(1) rows, the small
+        # tensors: ~20 KiB), for dst to assemble them into whole regions; the FSDP blocks never.
+        assert sent_all < 64 * 2**10 and (r == 0 or sent_all <= sent_dst - fsdp_share), \
+            (r, sent_all, sent_dst)
         # Each rank writes about its share (its FSDP block at least), never the checkpoint.
         assert fsdp_share <= wrote_all < total / world + 2**20, (r, wrote_all, total)
         if r == 0:

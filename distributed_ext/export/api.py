@@ -188,6 +188,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             except BaseException:
                 if parts["prepared"] is not None:
                     parts["prepared"].release()
+                    parts["prepared"].release_local()
                 if parts["sink"] is not None:
                     parts["sink"].abort()
                 raise
@@ -214,25 +215,26 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 raise
 
             def join() -> None:
-                if mode == "all" and ctx.rank != dst_rank:
+                parts["prepared"] = prepared = _prepare_transfer(
+                    state, entries, ctx, dst_rank, chunk, local=mode == "all")
+                if prepared.local_messages:  # (a rank with only short pieces sends them all)
                     parts["sink"] = make_sink(entries, model, stage)
-                parts["prepared"] = _prepare_transfer(state, entries, ctx, dst_rank, chunk,
-                                                      local=mode == "all")
 
             agreed("preparing the writers", join)
         sink, prepared = parts["sink"], parts["prepared"]
         assert prepared is not None
         failure: BaseException | None = None
         try:
-            if mode == "all":  # every rank writes its own pieces; nothing crosses the link
-                try:
-                    _write_own(prepared.stager, sink, prepared.messages)
-                    if ctx.rank != dst_rank:
-                        sink.finish()
-                finally:
-                    prepared.release()
-            else:
+            # writers="all": the short pieces still stream to dst; then each sender writes
+            # the rest of its own pieces itself and makes them durable.
+            try:
                 _transfer(state, prepared, sink, ctx, dst_rank, what)
+                if prepared.local_stager is not None:
+                    _write_own(prepared.local_stager, sink, prepared.local_messages)
+            finally:
+                prepared.release_local()
+            if ctx.rank != dst_rank and sink is not None:
+                sink.finish()
         except _watch.PeerFailure as exc:
             if sink is not None:
                 sink.abort()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distributed_ext import _agree, _direct_io, _watch
+from distributed_ext.export import sinks
 from distributed_ext.export.messages import Segment, _message_nbytes, _placement, _rows, plan_messages
 from distributed_ext.export.pieces import Entry
 from distributed_ext.export.stager import _needs_pinned, _PinnedSlots, _Stager
@@ -47,11 +48,29 @@ class _Prepared:
     # dst only: each sender's messages still to receive, and its free receive buffers
     plans: dict[int, collections.deque] = field(default_factory=dict)
     free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # writers="all", a sender: the pieces it writes itself, and the host stager for them
+    local_messages: list[list[Segment]] = field(default_factory=list)
+    local_stager: _Stager | None = None
+    local_pinned: _PinnedSlots | None = None
 
     def release(self) -> None:
+        """Returns the transfer's pinned slots (never while a transport may read them)."""
         if self.pinned is not None:
             self.pinned.release()
             self.pinned = None
+
+    def release_local(self) -> None:
+        """Returns the local writes' pinned slot (no transport ever reads it)."""
+        if self.local_pinned is not None:
+            self.local_pinned.release()
+            self.local_pinned = None
+
+
+def _short(e: Entry, p: Any) -> bool:
+    """Whether a piece's runs are short (under ``SMALL_RUN``): with ``writers="all"`` such
+    pieces still go to dst, which assembles them into whole regions -- written by one rank,
+    one write each -- rather than every rank writing its own 1 KiB runs between the others'."""
+    return p.runs(e).run < sinks.SMALL_RUN
 
 
 def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
@@ -60,19 +79,24 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     """Plans this rank's messages and allocates every buffer the transfer needs (raising
     here, in the round that agrees the ranks are ready, rather than mid-stream): dst two
     receive chunks per sender and its own pieces' slots, a sender its staging slots.
-    ``ctx`` None: one process, no link. ``local``: every rank writes its own pieces itself
-    (``writers="all"``): its own messages and host slots only, nothing received."""
+    ``ctx`` None: one process, no link. ``local`` (``writers="all"``): every rank writes the
+    pieces of long runs it holds itself (a sender's :attr:`_Prepared.local_messages`, with a
+    host stager); pieces of short runs still travel to dst (:func:`_short`)."""
     me = 0 if ctx is None else ctx.rank
-    if local:
-        ctx, dst_rank = None, me  # as one process: its own pieces to its own sink
     link = torch.device("cpu") if ctx is None else ctx.device
     on_device = link.type == "cuda"  # NCCL: what crosses the link is device memory
     world = 1 if ctx is None else ctx.size
     # Every rank's messages on dst (it receives them all); a sender's own only.
     pairs = ((e, p) for e in entries for p in e.pieces)
-    if local:
-        streams = {me: plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)}
-    elif me == dst_rank:
+    local_messages: list[list[Segment]] = []
+    if local:  # what goes to dst: dst's own pieces, and the others' short ones
+        if me == dst_rank:
+            pairs = ((e, p) for e, p in pairs if p.rank == me or _short(e, p))
+        else:
+            mine = [(e, p) for e, p in pairs if p.rank == me]
+            local_messages = plan_messages(((e, p) for e, p in mine if not _short(e, p)), chunk)
+            pairs = ((e, p) for e, p in mine if _short(e, p))
+    if me == dst_rank:
         streams = plan_messages(pairs, chunk, world)
     else:
         streams = [[] for _ in range(world)]
@@ -80,20 +104,29 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     messages = streams[me]
     gpu_shards = _needs_pinned(state, messages)  # any of this rank's pieces on a GPU
     pinned = None
+    prepared = None
     try:
         if me != dst_rank:
             if gpu_shards and not on_device:
                 pinned = _PinnedSlots(3, chunk)
             stager = _Stager(state, chunk, link, pinned)
             stager.reserve(messages)
-            return _Prepared(messages, stager, pinned, gpu_shards)
+            prepared = _Prepared(messages, stager, pinned, gpu_shards)
+            if local_messages:  # written here, through host slots (pinned for GPU bytes)
+                if _needs_pinned(state, local_messages):
+                    prepared.local_pinned = _PinnedSlots(1, chunk)
+                prepared.local_stager = _Stager(state, chunk, torch.device("cpu"),
+                                                prepared.local_pinned)
+                prepared.local_stager.reserve(local_messages)
+                prepared.local_messages = local_messages
+            return prepared
         # Pinned slots: 0 for the own-pieces thread (GPU shards), 1 for received device chunks.
         if gpu_shards or on_device:
             pinned = _PinnedSlots(2, chunk)
         stager = _Stager(state, chunk, torch.device("cpu"), pinned)
         stager.reserve(messages)
         prepared = _Prepared(messages, stager, pinned, gpu_shards)
-        for r, planned in (enumerate(streams) if not local else ()):
+        for r, planned in enumerate(streams):
             if r == me or not planned:
                 continue
             prepared.plans[r] = collections.deque(planned)
@@ -106,6 +139,8 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     except BaseException:
         if pinned is not None:
             pinned.release()
+        if prepared is not None and prepared.local_pinned is not None:
+            prepared.local_pinned.release()
         raise
 
 
