@@ -676,7 +676,7 @@ def test_gpu_resident_entries_cross_to_the_host_chunk_by_chunk_over_gloo(tmp_pat
     assert torch.equal(written["shared"], values[0][0]["shared"])
 
 
-def _export_killed_mid_transfer(out, victim, death_file):
+def _export_killed_mid_transfer(out, victim, death_file, writers):
     import signal
     import time
 
@@ -711,18 +711,19 @@ def _export_killed_mid_transfer(out, victim, death_file):
             export_stager._piece_tensor = local
     state = {f"r{r}.w{i}": torch.full((2 * 2**20,), float(i)) for i in range(6)}  # 8 MiB each
     try:
-        dx.export_hf_checkpoint(state, out, chunk_bytes=2**20)
+        dx.export_hf_checkpoint(state, out, chunk_bytes=2**20, writers=writers)
         return ("ok", time.time())
     except BaseException as exc:  # noqa: BLE001
         return ("raised", time.time(), type(exc).__name__, str(exc))
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_rank_killed_mid_export_is_named_by_every_survivor_within_10_s(victim, tmp_path):
+@pytest.mark.parametrize("victim, writers", [(1, "auto"), (0, "auto"), (1, "all")])
+def test_a_rank_killed_mid_export_is_named_by_every_survivor_within_10_s(victim, writers,
+                                                                         tmp_path):
     out = tmp_path / "ckpt"
     death_file = str(tmp_path / "death")
     # The group's own timeout is far away (120 s): only the liveness watch can be this quick.
-    res = run_ranks(_export_killed_mid_transfer, 3, str(out), victim, death_file,
+    res = run_ranks(_export_killed_mid_transfer, 3, str(out), victim, death_file, writers,
                     pg_timeout=120, timeout=100)
     assert res[victim].exit_code == -9, res[victim]
     with open(death_file) as f:
@@ -1436,6 +1437,8 @@ def _blind_rank(out, writers):
         from distributed_ext.export import writers as export_writers
 
         export_writers._sees = lambda stage, token: False
+    if dist.get_rank() == 2:  # on another host: "auto" then probes who sees the directory
+        export_api.socket.gethostname = lambda: "another-host"
     state = {f"w{dist.get_rank()}": torch.full((1000,), 1.0)}
     sent = []
     outcome = _outcome(lambda: sent.append(_counting_sends(

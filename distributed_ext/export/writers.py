@@ -8,10 +8,18 @@ over the holders). Bytes two ranks write into one page go through the page cache
 aligned blocks wholly inside one rank's run are written direct, so no two ranks ever write
 one block direct. Every rank fsyncs what it wrote; dst publishes once all have.
 
+Pieces of short runs (under ``SMALL_RUN``: small tensors, the rows of a ``Shard(1)``/TP
+layout) still go to dst, which assembles them into whole regions: every rank writing its own
+1 KiB runs between the others' would cost a syscall per run and could not go direct.
+
 That needs a directory every rank sees as dst does: dst writes a probe file with a random
-token into the stage, every rank reads it back, and the answers are agreed. ``"auto"`` then
-picks ``"all"`` where every rank sees it, else ``"dst"``; ``"all"`` on a directory some rank
-does not see is a ValueError on every rank naming those ranks.
+token into the stage, every rank reads it back, and the answers are agreed. ``"all"`` on a
+directory some rank does not see is a ValueError on every rank naming those ranks.
+``"auto"`` picks ``"all"`` where the ranks span several hosts and every rank sees the
+directory, else ``"dst"``: on one host the ranks share one disk and the link is a loopback,
+and one writer measured as fast or faster (2-core VM, world 2, 1 GiB FSDP2-shaped: ext4
+0.60-0.73 s for dst against 0.86-0.90 s for all, tmpfs 0.65 s against 0.59-0.80 s), so
+nothing is probed there.
 """
 
 from __future__ import annotations
