@@ -1465,3 +1465,35 @@ def test_writers_must_be_auto_all_or_dst(tmp_path):
     with pytest.raises(ValueError, match="writers='some'; pass 'auto'"):
         dx.export_hf_checkpoint({"w": torch.ones(2)}, str(tmp_path / "x"), writers="some")
     assert not (tmp_path / "x").exists()
+
+
+def test_one_rank_plans_only_what_concerns_it_at_a_simulated_world_of_1024():
+    # The plan a sender computes (in one process, from the metadata of 1024 simulated ranks
+    # that all hold 100k Shard(0) tensors): every check made, its own pieces kept, memory and
+    # work O(keys) -- not O(keys x world).
+    import array
+    import tracemalloc
+
+    from distributed_ext.export import entries as export_entries
+    from distributed_ext.export import pieces as export_pieces
+
+    world, n, me = 1024, 100_000, 5
+    sig = export_entries.Signature("float32", (4096, 64), (("S", 0),), tuple(range(world)),
+                                   (world,))
+    keys = [f"model.layers.{i}.w" for i in range(n)]
+    ids = (array.array("i", [0]) * n).tobytes()
+    described = [export_entries.Described(keys, ids, [sig])] * world
+    tracemalloc.start()
+    holdings = export_pieces.merge_holdings(described, list(range(world)), 0, None)
+    entries = export_pieces.plan_entries(holdings, None, 0, list(range(world)), keep=me)
+    export_pieces.check_keys(entries)
+    messages = E.plan_messages(((e, p) for e in entries for p in e.pieces), 16 * 2**20)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(entries) == n and [e.key for e in entries[:2]] == keys[:2]
+    for e in entries[::997]:
+        (p,) = e.pieces
+        assert p.rank == me and p.block == E.Block((4 * me, 0), (4, 64)) and p.nbytes == 1024
+    assert sum(len(m) for m in messages) == n  # its 100k KiB, packed: 100 messages
+    assert len(messages) == n * 1024 // 2**20 + 1
+    assert peak < 64 * 2**20, peak / 2**20

@@ -12,6 +12,7 @@ One module per concern; the plan of pieces (:mod:`.pieces`) is the contract betw
 - :mod:`.publish`: the stage directory and publishing it whole.
 - :mod:`.sinks`: where dst puts the bytes (files, memory).
 - :mod:`.stager` and :mod:`.transfer`: the data round.
+- :mod:`.writers`: who writes the files (dst, or every rank its own bytes).
 - :mod:`.api`: the rounds, and the public functions.
 """
 

@@ -3,9 +3,10 @@
 The flow, on every rank of the group:
 
 1. Metadata round (``all_reduce``): each rank describes its in-memory entries as compact
-   tables -- its keys, and per key an index into a few distinct signatures (dtype, global
-   shape, and for a DTensor its placements and mesh). A bad entry (a ``Partial`` placement,
-   a dtype safetensors cannot store) raises on every rank before any byte moves.
+   tables -- per key an index into a few distinct signatures (dtype, global shape, and for
+   a DTensor its placements and mesh), and the keys themselves only where ranks hold
+   different ones (else a digest of them). A bad entry (a ``Partial`` placement, a dtype
+   safetensors cannot store) raises on every rank before any byte moves.
 2. Plan, computed alike on every rank from that metadata: who holds which block of each
    in-memory tensor (a DTensor's blocks computed locally from its shape, mesh and
    placements), the tensors to write (for a model, the hub's layout that ``save_pretrained``
@@ -15,8 +16,9 @@ The flow, on every rank of the group:
    :class:`~distributed_ext.DistributionPlan` is checked against what the ranks hold), and
    an agreed error for keys whose ranks disagree on dtype or shape, whose blocks do not cover
    the tensor, or whose conversion cannot be streamed.
-3. Preparing round: dst opens temporary files in the target directory (or allocates the full
-   tensors); a failure raises on every rank.
+3. Preparing round: dst makes the files in a hidden stage beside the directory (or
+   allocates the full tensors); a failure raises on every rank. With ``writers="all"``
+   (:mod:`.writers`) every rank then opens them to write its own long runs itself.
 4. Data: each rank's pieces travel as the messages of :func:`plan_messages` -- large pieces
    in ``chunk_bytes`` pieces from their own memory, small ones packed by the compiled core --
    and dst writes each message to its places as it arrives (small runs in one native call per

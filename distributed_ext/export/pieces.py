@@ -175,7 +175,7 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
     ``keep``: make only this group rank's pieces (a sender needs no other's); every check
     and every choice is still made for all of them, so the kept pieces are the same.
     """
-    load = [0] * len(ranks)  # bytes each rank sends so far
+    load = _Load(len(ranks))  # bytes each rank sends so far
     entries = []
     # A whole in-memory tensor's distinct blocks and their owners: computed once per list of
     # blocks, which every key of one DTensor signature shares.
@@ -212,7 +212,7 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
                 sender = _choose_sender([o[0] for o in owners], dst_rank, load)
                 _r, held, lo, hi = next(o for o in owners if o[0] == sender)
                 if sender != dst_rank:
-                    load[sender] += wb.numel * itemsize
+                    load.add(sender, wb.numel * itemsize)
                 covered += wb.numel
                 if keep is None or sender == keep:
                     local, perm = _local_view(part, held, lo, hi)
@@ -224,7 +224,7 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
 
 
 def _add_whole(entry: Entry, source: str, holding: Holding,
-               distinct: dict[int, list], dst_rank: int, load: list[int],
+               distinct: dict[int, list], dst_rank: int, load: _Load,
                keep: int | None = None, share: bool = False) -> int:
     """Adds the pieces of a written tensor that is in-memory tensor ``source`` as it is (one
     per distinct block; ``keep``: only that rank's); returns the elements they cover (all of
@@ -246,8 +246,7 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
                      if sender != dst_rank and wb.numel]
             shared = got[3][(itemsize, keep)] = (pieces, sends)
         pieces, sends = shared
-        for sender, nbytes in sends:
-            load[sender] += nbytes
+        load.add_each(sends)
         if share:
             entry.pieces, entry.source = pieces, source
         else:
@@ -257,7 +256,7 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
     for wb, owners in groups_list:
         sender = _choose_sender(owners, dst_rank, load)
         if sender != dst_rank:
-            load[sender] += wb.numel * itemsize
+            load.add(sender, wb.numel * itemsize)
         if keep is None or sender == keep:
             entry.pieces.append(Piece(sender, wb, wb.numel * itemsize, source))
     return covered
@@ -316,15 +315,44 @@ def _check_covered(entry: Entry, covered: int) -> None:
                          f"{math.prod(entry.shape)} elements (overlapping or missing shards)")
 
 
-def _choose_sender(owners: list[int], dst_rank: int, load: list[int]) -> int:
+class _Load:
+    """Bytes each rank sends so far, read only to choose among a replica's holders. What a
+    fixed signature's key adds (the same per key) is counted per signature and summed in
+    only when a choice reads the loads: a sender's plan stays O(keys), not O(keys x world)
+    (100k keys at world 1024 would otherwise be 100M additions)."""
+
+    def __init__(self, world: int) -> None:
+        self._bytes = [0] * world
+        self._pending: dict[int, list] = {}  # id(sends) -> [sends, keys that added them]
+
+    def add(self, rank: int, nbytes: int) -> None:
+        self._bytes[rank] += nbytes
+
+    def add_each(self, sends: list[tuple[int, int]]) -> None:
+        """Adds one key's ``(rank, bytes)`` sends (one list object per signature)."""
+        got = self._pending.get(id(sends))
+        if got is None:
+            self._pending[id(sends)] = [sends, 1]
+        else:
+            got[1] += 1
+
+    def current(self) -> list[int]:
+        for sends, count in self._pending.values():
+            for rank, nbytes in sends:
+                self._bytes[rank] += nbytes * count
+        self._pending.clear()
+        return self._bytes
+
+
+def _choose_sender(owners: list[int], dst_rank: int, load: _Load) -> int:
     """Who sends a block: its one owner; dst if it holds a replica (it never crosses the
     link); else the replica holder with the fewest bytes to send so far."""
     if len(owners) == 1:
         return owners[0]
     if dst_rank in owners:
         return dst_rank
-    return min(owners, key=lambda r: (load[r], r))
-
+    bytes_sent = load.current()
+    return min(owners, key=lambda r: (bytes_sent[r], r))
 
 def agree_plan(plans: list[tuple | None], ranks: list[int]) -> DistributionPlan | None:
     """The plan the ranks' models record (as tuples), the same on all; ValueError if not."""

@@ -1,6 +1,6 @@
 """Publishing a checkpoint whole: files written into a hidden stage next to the directory,
 made durable, then swapped in at once (``renameat2(RENAME_EXCHANGE)``) or renamed in an order
-that makes a partial state fail to load. The one write-temp-then-rename helper."""
+that makes a partial state fail to load; and the commit round that agrees it was."""
 
 from __future__ import annotations
 
