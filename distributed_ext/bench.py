@@ -653,7 +653,7 @@ def format_table(results: list[Result]) -> str:
 
 
 def check_targets(results: list[Result]) -> list[str]:
-    """The targets of issues 11 and 12 that this run can judge, per size, with verdicts."""
+    """The targets this run can judge, per workload and size, each verdict naming its target."""
     out = _export_targets([r for r in results if r.workload == "export"])
     for size in sorted({r.size for r in results if r.workload == "bytes"}, reverse=True):
         out += _targets_at([r for r in results if r.size == size or r.workload != "bytes"],
