@@ -1497,3 +1497,34 @@ def test_one_rank_plans_only_what_concerns_it_at_a_simulated_world_of_1024():
     assert sum(len(m) for m in messages) == n  # its 100k KiB, packed: 100 messages
     assert len(messages) == n * 1024 // 2**20 + 1
     assert peak < 64 * 2**20, peak / 2**20
+
+
+def _both_writers_2d(base):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(1)
+    state = {  # HSDP (replicas of each FSDP shard) and FSDP+TP, world 4
+        "hsdp": distribute_tensor(torch.randn(512, 256, generator=g), mesh,
+                                  [Replicate(), Shard(0)]),
+        "fsdp_tp": distribute_tensor(torch.randn(256, 1024, generator=g), mesh,
+                                     [Shard(0), Shard(1)]),
+    }
+    out = {}
+    for writers in ("all", "dst"):
+        before = _written_bytes()
+        dx.export_hf_checkpoint(state, os.path.join(base, writers), writers=writers)
+        out[writers] = _written_bytes() - before
+    return out
+
+
+def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(tmp_path):
+    values = assert_all_ok(run_ranks(_both_writers_2d, 4, str(tmp_path), timeout=180))
+    data = (tmp_path / "all" / E.WEIGHTS_NAME).read_bytes()
+    assert data == (tmp_path / "dst" / E.WEIGHTS_NAME).read_bytes()
+    # Each 256 KiB HSDP block is written once, by one of its two holders (dst for the one it
+    # holds, one of ranks 1 and 3 for the other); the FSDP+TP blocks' rows are 2 KiB runs,
+    # which dst assembles. All ranks together write the file once, not once per replica.
+    assert len(data) <= sum(v["all"] for v in values) < len(data) + 2**20, values
+    assert values[0]["all"] < len(data) - 200 * 2**10, values  # dst did not write it all
+    assert max(values[r]["all"] for r in (1, 3)) >= 256 * 2**10, values
