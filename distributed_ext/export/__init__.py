@@ -16,22 +16,22 @@ One module per concern; the plan of pieces (:mod:`.pieces`) is the contract betw
 - :mod:`.api`: the rounds, and the public functions.
 """
 
+# The public calls, and (``X as X``: re-exported) the internals the tests reach from here.
 from distributed_ext.export.api import export_hf_checkpoint, gather_full_state
-from distributed_ext.export.blocks import Block, Runs, _tiles_exactly, block_runs
-from distributed_ext.export.entries import describe_state
-from distributed_ext.export.messages import plan_messages
-from distributed_ext.export.pieces import Entry, Piece
-from distributed_ext.export.safetensors import (
-    INDEX_NAME,
-    SAFETENSORS_DTYPES,
-    WEIGHTS_NAME,
-    parse_shard_size,
-    safetensors_header,
-)
-from distributed_ext.export.sinks import FileSink, MemorySink
+from distributed_ext.export.blocks import Block as Block
+from distributed_ext.export.blocks import Runs as Runs
+from distributed_ext.export.blocks import _tiles_exactly as _tiles_exactly
+from distributed_ext.export.blocks import block_runs as block_runs
+from distributed_ext.export.entries import describe_state as describe_state
+from distributed_ext.export.messages import plan_messages as plan_messages
+from distributed_ext.export.pieces import Entry as Entry
+from distributed_ext.export.pieces import Piece as Piece
+from distributed_ext.export.safetensors import INDEX_NAME as INDEX_NAME
+from distributed_ext.export.safetensors import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
+from distributed_ext.export.safetensors import WEIGHTS_NAME as WEIGHTS_NAME
+from distributed_ext.export.safetensors import parse_shard_size as parse_shard_size
+from distributed_ext.export.safetensors import safetensors_header as safetensors_header
+from distributed_ext.export.sinks import FileSink as FileSink
+from distributed_ext.export.sinks import MemorySink as MemorySink
 
 __all__ = ["export_hf_checkpoint", "gather_full_state"]
-# (The other names above are the package's tested internals, importable from here.)
-_INTERNALS = (Block, Runs, block_runs, _tiles_exactly, describe_state, plan_messages, Entry,
-              Piece, INDEX_NAME, SAFETENSORS_DTYPES, WEIGHTS_NAME, parse_shard_size,
-              safetensors_header, FileSink, MemorySink)

@@ -65,7 +65,8 @@ class FileSink:
                  join: str | None = None) -> None:
         """``join``: the stage another rank (dst) made, whose files this rank writes its own
         bytes into (``writers="all"``); it neither creates, nor publishes, nor removes them."""
-        self.texts = _config_texts(model)
+        # The configs: serialized by dst, which writes them (a joined writer never does).
+        self.texts = _config_texts(model) if join is None else {}
         self.stage = Stage(directory) if join is None else None
         where = self.stage.path if self.stage is not None else join
         n = len(files)
@@ -239,7 +240,7 @@ class FileSink:
 
     def _release_region(self, region: _Region) -> None:
         with self._region_lock:
-            if len(self._spare) < 64:
+            if len(self._spare) < ASSEMBLY_BYTES // REGION_BYTES:  # the most held at once
                 self._spare.append(region.buf)
 
     def _spill(self, file: _direct_io.DirectFile, index: int, region: _Region) -> None:

@@ -93,9 +93,13 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         if me == dst_rank:
             pairs = ((e, p) for e, p in pairs if p.rank == me or _short(e, p))
         else:
-            mine = [(e, p) for e, p in pairs if p.rank == me]
-            local_messages = plan_messages(((e, p) for e, p in mine if not _short(e, p)), chunk)
-            pairs = ((e, p) for e, p in mine if _short(e, p))
+            short: list[tuple[Entry, Any]] = []
+            long: list[tuple[Entry, Any]] = []
+            for e, p in pairs:
+                if p.rank == me:
+                    (short if _short(e, p) else long).append((e, p))
+            local_messages = plan_messages(long, chunk)
+            pairs = iter(short)
     if me == dst_rank:
         streams = plan_messages(pairs, chunk, world)
     else:
