@@ -257,6 +257,41 @@ class PeakRSS:
         return self.peak - self.start
 
 
+class RankIO:
+    """What this rank wrote and sent during the block: ``sent``, the bytes it passed to
+    ``torch.distributed.isend`` (every send of an export); ``written``, the bytes of its
+    write calls (``wchar`` of /proc/self/io, which counts a socket's writes too) less
+    ``sent``: the bytes it wrote to files."""
+
+    def __enter__(self) -> RankIO:
+        import torch.distributed as dist
+
+        self.sent = 0
+        self._real = dist.isend
+
+        def counting(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            self.sent += tensor.numel() * tensor.element_size()
+            return self._real(tensor, *args, **kwargs)
+
+        dist.isend = counting
+        self._start = self._wchar()
+        return self
+
+    @staticmethod
+    def _wchar() -> int:
+        try:
+            with open("/proc/self/io") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+        except (OSError, StopIteration, ValueError):  # no /proc here: unknown, shown as 0
+            return 0
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        dist.isend = self._real
+        self.written = max(0, self._wchar() - self._start - self.sent)
+
+
 # -- progress --------------------------------------------------------------------------------
 
 
@@ -388,6 +423,9 @@ class Result:
     warm: list[float] = field(default_factory=list)
     dst_peak_rss: list[int] = field(default_factory=list)  # per call, first included
     fresh_ranks: bool = True
+    # export: per rank, its peak RSS growth over the calls and the bytes it wrote to files
+    # and sent in the first call ({"rank", "peak_rss", "written", "sent"})
+    per_rank: list[dict] = field(default_factory=list)
 
     def timing(self) -> Timing:
         return Timing(self.first, list(self.warm))
@@ -595,10 +633,13 @@ def measure(workload: str, method: str, size: int, repeat: int, show_progress: b
     checks: list[bool] = []
     rss: list[PeakRSS] = []
 
+    moved_io: list[RankIO] = []
+
     def call(i: int) -> bool:
         label = f"{workload} ({method}) {'first' if i == 0 else f'{i}/{repeat}'}"
-        with PeakRSS() as sampler:
+        with PeakRSS() as sampler, RankIO() as counted:
             rss.append(sampler)
+            moved_io.append(counted)
             if method == "distributed_ext":
                 ok = _call(workload, method, data, rank, world, dst, ProgressBar(label, show),
                            chunk_bytes)
@@ -614,12 +655,20 @@ def measure(workload: str, method: str, size: int, repeat: int, show_progress: b
     timing = time_calls(call, repeat, sync=dist.barrier, after=after)
     if not all(checks):
         raise RuntimeError(f"{workload} ({method}): a wrong result on rank {rank}")
+    per_rank: list[dict] = []
+    if workload == "export":  # every rank's own figures, to dst (as JSON: nothing unpickled)
+        import distributed_ext as dx
+
+        mine = {"rank": rank, "peak_rss": max(peaks), "written": moved_io[0].written,
+                "sent": moved_io[0].sent}
+        got = dx.gather_bytes(json.dumps(mine).encode(), dst)
+        per_rank = [] if got is None else [json.loads(bytes(b)) for b in got]
     if rank != dst:
         return None
     # GB/s numerator: what dst receives from the others (the whole checkpoint for export).
     received = checkpoint if workload == "export" else (world - 1) * moved
     return asdict(Result(workload, method, world, moved, received, timing.first, timing.warm,
-                         peaks, fresh_ranks))
+                         peaks, fresh_ranks, per_rank))
 
 
 # -- reporting -------------------------------------------------------------------------------
@@ -654,6 +703,17 @@ def format_table(results: list[Result]) -> str:
     lines.append("\n*GB/s: bytes dst receives from the other ranks (for export: the "
                  "checkpoint's bytes) per second of dst's wall time (barrier to return); warm = "
                  "the median of the warm calls.")
+    per_rank = [r for r in results if r.per_rank]
+    if per_rank:
+        lines += ["", "Per rank (export): peak RSS growth over the calls; bytes written to "
+                  "files and sent over the link in the first call.", "",
+                  "| size/rank | method | rank | peak RSS growth | written | sent |",
+                  "|---|---|---|---|---|---|"]
+        for r in per_rank:
+            for f in r.per_rank:
+                lines.append(f"| {format_size(r.size)} | {r.method} | {f['rank']} | "
+                             f"+{format_size(f['peak_rss'])} | {format_size(f['written'])} | "
+                             f"{format_size(f['sent'])} |")
     return "\n".join(lines)
 
 
@@ -715,8 +775,14 @@ def _writers_targets(rows: dict[str, Result], label: str) -> list[str]:
     if "disk O_DIRECT write" in rows:
         checks.append(("rate vs the disk's O_DIRECT", rows["disk O_DIRECT write"].first
                        / every.first, 0.8))
-    return [f"{'met ' if value >= target else 'MISSED'} [{label}, writers=all] first call "
-            f"{name}: {value:.2f}x (target >= {target}x)" for name, value, target in checks]
+    out = [f"{'met ' if value >= target else 'MISSED'} [{label}, writers=all] first call "
+           f"{name}: {value:.2f}x (target >= {target}x)" for name, value, target in checks]
+    if every.per_rank:
+        peak = max(f["peak_rss"] for f in every.per_rank)
+        out.append(f"{'met ' if peak <= 128 * 2**20 else 'MISSED'} [{label}, writers=all] "
+                   f"every rank's peak RSS growth: at most {format_size(peak)} "
+                   "(target <= 128 MiB)")
+    return out
 
 
 def _targets_at(results: list[Result], label: str) -> list[str]:

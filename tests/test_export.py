@@ -1382,6 +1382,39 @@ def _written_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
 
 
+def _recording_writes(fn):
+    """Runs ``fn()``; the ``(file name, offset, nbytes)`` of every write this rank made to a
+    checkpoint file (pwrite, direct or not, and the native batched writes)."""
+    from distributed_ext import _direct_io, _native
+
+    writes, real_pwrite, real_segments = [], _direct_io._pwrite_fully, _native.pwrite_segments
+
+    def name(fd):
+        return os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def pwrite(fd, view, offset):
+        writes.append((name(fd), offset, len(view)))
+        return real_pwrite(fd, view, offset)
+
+    def segments(fd, table):
+        rows = table.tolist() if isinstance(table, torch.Tensor) else table
+        writes.extend((name(fd), offset, n) for _src, offset, n in rows)
+        return real_segments(fd, table)
+
+    _direct_io._pwrite_fully, _native.pwrite_segments = pwrite, segments
+    try:
+        fn()
+    finally:
+        _direct_io._pwrite_fully, _native.pwrite_segments = real_pwrite, real_segments
+    return writes
+
+
+def _blocks_written(writes, align=4096):
+    """The ``(file name, block index)`` of every aligned block these writes touch."""
+    return {(f, b) for f, offset, n in writes if n
+            for b in range(offset // align, (offset + n - 1) // align + 1)}
+
+
 def _both_writers(base):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
@@ -1399,11 +1432,15 @@ def _both_writers(base):
         f"own{r}": torch.full((5000,), float(r), dtype=torch.float16),  # only this rank's
     }
     out = {}
+    writes = []
     for writers in ("all", "dst"):
         before = _written_bytes()
-        sent = _counting_sends(lambda w=writers: dx.export_hf_checkpoint(
-            state, os.path.join(base, w), writers=w, max_shard_size="300KB"))
+        sent = _counting_sends(lambda w=writers: writes.extend(_recording_writes(
+            lambda: dx.export_hf_checkpoint(state, os.path.join(base, w), writers=w,
+                                            max_shard_size="300KB"))))
         out[writers] = (sent, _written_bytes() - before)
+        if writers == "all":
+            out["blocks"] = _blocks_written(writes)
     fsdp_share = state["fsdp"].to_local().numel() * 4  # this rank's block
     return out, fsdp_share
 
@@ -1417,13 +1454,20 @@ def test_every_rank_writes_its_own_bytes_into_the_same_files_the_single_writer_m
     for name in names:  # byte for byte
         assert (tmp_path / "all" / name).read_bytes() == (tmp_path / "dst" / name).read_bytes()
     total = sum(os.path.getsize(tmp_path / "all" / n) for n in names if n != E.INDEX_NAME)
+    # Every 4 KiB block of the files has one writer: where two ranks' runs meet inside a
+    # block, dst writes it (the sender sends it the bytes it holds there).
+    blocks = [got["blocks"] for got, _share in values]
+    for a, b in itertools.combinations(range(world), 2):
+        assert not blocks[a] & blocks[b], (a, b, sorted(blocks[a] & blocks[b])[:5])
+    assert sum(map(len, blocks)) >= total // 4096  # (and the writes were seen)
     for r, (got, fsdp_share) in enumerate(values):
         sent_all, wrote_all = got["all"]
         sent_dst, wrote_dst = got["dst"]
         # Only pieces of short runs cross the link (here the Shard(1) rows, the small
-        # tensors: ~20 KiB), for dst to assemble them into whole regions; the FSDP blocks never.
-        assert sent_all < 64 * 2**10 and (r == 0 or sent_all <= sent_dst - fsdp_share), \
-            (r, sent_all, sent_dst)
+        # tensors: ~20 KiB), for dst to assemble them into whole regions, and the partial
+        # 4 KiB blocks at the ends of the FSDP block (under 8 KiB); the FSDP block never.
+        assert sent_all < 64 * 2**10, (r, sent_all)
+        assert r == 0 or sent_all < sent_dst - fsdp_share + 2 * 4096, (r, sent_all, sent_dst)
         # Each rank writes about its share (its FSDP block at least), never the checkpoint.
         assert fsdp_share <= wrote_all < total / world + 2**20, (r, wrote_all, total)
         if r == 0:
@@ -1465,6 +1509,55 @@ def test_writers_must_be_auto_all_or_dst(tmp_path):
     with pytest.raises(ValueError, match="writers='some'; pass 'auto'"):
         dx.export_hf_checkpoint({"w": torch.ones(2)}, str(tmp_path / "x"), writers="some")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("shape, block, base", [
+    ((1000, 300), E.Block((333, 0), (400, 300)), 77),  # a Shard(0) block: one long run
+    ((64, 5000), E.Block((0, 1200), (64, 2500)), 4096 * 3 + 5),  # Shard(1): 64 rows
+    ((64, 1024), E.Block((0, 0), (64, 1024)), 8192),  # aligned: no edges at all
+])
+def test_a_writers_middles_and_edges_cover_its_runs_once(shape, block, base):
+    # What a joined writer writes itself (the aligned blocks inside each row of its
+    # messages) and what it sends to dst (edge_messages) cover each byte of its runs once,
+    # and no aligned block is in both; chunk-split rows included.
+    from distributed_ext.export.messages import _rows, aligned_middle, edge_messages
+
+    runs = E.block_runs(block, shape, 4)
+    piece = E.Piece(1, block, block.numel * 4)
+    entry = E.Entry("w", torch.float32, shape, [piece], index=0)
+    messages = E.plan_messages([(entry, piece)], 24 * 4096)  # rows split mid-run
+    edges = edge_messages(messages, torch.tensor([base]), 4096, 2**20)
+    mine, sent = [], []
+    rows = torch.cat([_rows(m) for m in messages]).tolist()
+    for row in rows:
+        lo, hi = aligned_middle(base + row[1], row[3], 4096)
+        if hi > lo:
+            mine.append((base + row[1] + lo, hi - lo))
+    for m in edges:
+        sent += [(base + r[1], r[3]) for r in _rows(m).tolist()]
+    assert all(n < 4096 for _o, n in sent) and sum(map(len, edges)) <= 2 * len(rows)
+    assert all(o % 4096 == 0 and n % 4096 == 0 for o, n in mine)
+    covered = sorted(mine + sent)
+    expected = sorted((base + o, n) for o, _a, n in runs.pieces(0, piece.nbytes))
+    assert sum(n for _o, n in covered) == piece.nbytes
+    # Merged, they are exactly the runs (no gap, no overlap) ...
+    merged = _merge_adjacent(covered)
+    assert merged == _merge_adjacent(expected)
+    # ... and no block written by this rank holds a byte that goes to dst.
+    own = {b for o, n in mine for b in range(o // 4096, (o + n) // 4096)}
+    assert not own & {b for o, n in sent for b in range(o // 4096, (o + n - 1) // 4096 + 1)}
+    if base % 4096 == 0 and shape == block.shape:
+        assert not edges
+
+
+def _merge_adjacent(runs):
+    out = []
+    for o, n in runs:
+        if out and out[-1][0] + out[-1][1] == o:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((o, n))
+    return out
 
 
 def test_one_rank_plans_only_what_concerns_it_at_a_simulated_world_of_1024():
@@ -1513,8 +1606,10 @@ def _both_writers_2d(base):
     out = {}
     for writers in ("all", "dst"):
         before = _written_bytes()
-        dx.export_hf_checkpoint(state, os.path.join(base, writers), writers=writers)
+        writes = _recording_writes(lambda w=writers: dx.export_hf_checkpoint(
+            state, os.path.join(base, w), writers=w))
         out[writers] = _written_bytes() - before
+        out[f"{writers} blocks"] = _blocks_written(writes)
     return out
 
 
@@ -1528,3 +1623,5 @@ def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(tmp_pa
     assert len(data) <= sum(v["all"] for v in values) < len(data) + 2**20, values
     assert values[0]["all"] < len(data) - 200 * 2**10, values  # dst did not write it all
     assert max(values[r]["all"] for r in (1, 3)) >= 256 * 2**10, values
+    for a, b in itertools.combinations(range(4), 2):  # every 4 KiB block: one writer
+        assert not values[a]["all blocks"] & values[b]["all blocks"], (a, b)

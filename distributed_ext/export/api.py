@@ -62,7 +62,13 @@ from distributed_ext.export.pieces import Entry, agree_plan, check_keys, merge_h
 from distributed_ext.export.publish import _commit_round
 from distributed_ext.export.safetensors import _DTYPE_BY_NAME, layout_files, parse_shard_size
 from distributed_ext.export.sinks import FileSink, MemorySink
-from distributed_ext.export.transfer import EXPORT_CHUNK_BYTES, _prepare_transfer, _transfer, _write_own
+from distributed_ext.export.transfer import (
+    EXPORT_CHUNK_BYTES,
+    _prepare_transfer,
+    _short,
+    _transfer,
+    _write_own,
+)
 from distributed_ext.export.writers import WRITERS, check_writers, resolve_writers
 from distributed_ext.plan import recorded_plan
 
@@ -223,10 +229,15 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 raise
 
             def join() -> None:
-                parts["prepared"] = prepared = _prepare_transfer(
-                    state, entries, ctx, dst_rank, chunk, local=mode == "all")
-                if prepared.local_messages:  # (a rank with only short pieces sends them all)
+                me = ctx.rank
+                if mode == "all" and me != dst_rank and any(
+                        p.rank == me and not _short(e, p) for e in entries for p in e.pieces):
+                    # (a rank with only short pieces sends them all: no files to open)
                     parts["sink"] = make_sink(entries, model, stage)
+                sink = parts["sink"]
+                parts["prepared"] = _prepare_transfer(
+                    state, entries, ctx, dst_rank, chunk, local=mode == "all",
+                    bases=None if sink is None else sink.bases)
 
             agreed("preparing the writers", join)
         sink, prepared = parts["sink"], parts["prepared"]
@@ -298,7 +309,9 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     Writers: with ``writers="all"`` every rank writes the bytes of its own pieces into the
     files at their final offsets (dst makes the files and publishes them), so an FSDP2
     model's bytes never cross the link and the export runs at the speed of every rank's
-    disk path; a replicated block is written once, by one of its holders. That needs a
+    disk path; a replicated block is written once, by one of its holders. Each 4 KiB block
+    of the files has one writer: a block two ranks' runs share is written by dst, to which
+    the other rank sends its bytes there (under 4 KiB at each end of a run). That needs a
     directory every rank sees as dst does (a shared filesystem, or one machine): dst writes
     a probe with a random token into its stage and every rank reads it back. ``"dst"``: dst
     writes every byte (no shared filesystem needed). ``"auto"`` (default): ``"all"`` where
@@ -321,9 +334,9 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     publishing). A sender holds
     its shards, three 1 MiB slots where its small pieces are packed, and at most one
     contiguous copy of one piece at a time where a piece is not contiguous in its shard (a
-    transposed or column block), on the piece's own device. With ``writers="all"`` every
-    rank holds what dst holds for its own pieces (three slots, regions of its short runs,
-    bounce buffers) and no transport chunk.
+    transposed or column block), on the piece's own device. With ``writers="all"`` a
+    sender also holds, for the pieces it writes itself, three host slots (pinned for GPU
+    bytes: one) and an 8 MiB bounce buffer for direct writes; dst as above.
 
     Cost: by bytes, not tensor count. Pieces under 1 MiB are packed into shared messages by
     the compiled core and written by dst in one native call per file and message; the

@@ -94,3 +94,50 @@ def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int,
 
 def _message_nbytes(message: list[Segment]) -> int:
     return sum(s[3] for s in message)
+
+
+def aligned_middle(offset: int, n: int, align: int) -> tuple[int, int]:
+    """The part ``[lo, hi)`` of a run of ``n`` bytes at file ``offset`` that covers whole
+    aligned blocks (``lo == hi`` where it covers none): the bytes before ``lo`` and from
+    ``hi`` on share their blocks with other runs."""
+    lo = min(n, -offset % align)
+    return lo, max(lo, n - (offset + n) % align)
+
+
+def edge_messages(messages: list[list[Segment]], bases: torch.Tensor, align: int,
+                  cap: int) -> list[list[Segment]]:
+    """The edges of a writer's own runs, as messages of up to ``cap`` bytes to the rank
+    that writes the blocks they share (``writers="all"``), computed alike by the writer and
+    that rank.
+
+    A writer writes the whole aligned blocks inside each run of its ``messages`` (the rows
+    of :func:`_rows`, one per run and message); a block that a run covers only in part is
+    shared with other runs -- another rank's, or this rank's next message -- so its bytes
+    go to one rank, which writes the block whole: every block of a file has one writer.
+    Returns the segments ``(entry, piece, start, nbytes)`` of those partial blocks (under
+    ``align`` bytes each, at most two per run), packed back to back. ``bases``: per entry
+    index, the file offset of its data."""
+    out: list[list[Segment]] = []
+    packed: list[Segment] = []
+    size = 0
+
+    def add(e: Entry, p: Piece, start: int, n: int) -> None:
+        nonlocal packed, size
+        if size + n > cap:
+            out.append(packed)
+            packed, size = [], 0
+        packed.append((e, p, start, n))
+        size += n
+
+    for message in messages:
+        for e, p, s, m in message:
+            base = int(bases[e.index])
+            for offset, at, k in p.runs(e).pieces(s, m):
+                lo, hi = aligned_middle(base + offset, k, align)
+                if lo:
+                    add(e, p, s + at, lo)
+                if hi < k:
+                    add(e, p, s + at + hi, k - hi)
+    if packed:
+        out.append(packed)
+    return out

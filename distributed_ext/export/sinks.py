@@ -67,6 +67,8 @@ class FileSink:
         bytes into (``writers="all"``); it neither creates, nor publishes, nor removes them."""
         # The configs: serialized by dst, which writes them (a joined writer never does).
         self.texts = _config_texts(model) if join is None else {}
+        # A joined writer writes only the aligned blocks inside its runs (see write_batch).
+        self.joined = join is not None
         self.stage = Stage(directory) if join is None else None
         where = self.stage.path if self.stage is not None else join
         n = len(files)
@@ -143,6 +145,9 @@ class FileSink:
         offset = self._base_of[idx] + rows[:, ROW_OFFSET]
         fid = self._file_of[idx]
         at, n = rows[:, ROW_AT], rows[:, ROW_NBYTES]
+        if self.joined:
+            self._write_middles(data, fid, offset, at, n)
+            return
         small = n < SMALL_RUN
         if not bool(small.all()):
             for i in (~small).nonzero().flatten().tolist():
@@ -160,6 +165,26 @@ class FileSink:
         for number in torch.unique(fid).tolist():
             mine = fid == number
             self._assemble(self.files[number], src[mine], offset[mine], n[mine])
+
+    def _write_middles(self, data: torch.Tensor, fid: torch.Tensor, offset: torch.Tensor,
+                       at: torch.Tensor, n: torch.Tensor) -> None:
+        """A joined writer's rows: only the whole aligned blocks of each (direct where the
+        filesystem takes it); the partial blocks at a row's ends are another writer's
+        (dst's, which gets their bytes: :func:`~distributed_ext.export.messages.edge_messages`,
+        whose :func:`aligned_middle` this computes per row)."""
+        align = _direct_io.ALIGN
+        lo = torch.minimum(n, torch.remainder(-offset, align))
+        hi = torch.maximum(lo, n - torch.remainder(offset + n, align))
+        for i in (hi > lo).nonzero().flatten().tolist():
+            file, a, b = self.files[int(fid[i])], int(lo[i]), int(hi[i])
+            start = int(at[i])
+            with self._opened(file):
+                file.write(int(offset[i]) + a, data[start + a : start + b])
+
+    @property
+    def bases(self) -> torch.Tensor:
+        """Per entry index, the file offset of its data (int64)."""
+        return self._base_of
 
     def _assemble(self, file: _direct_io.DirectFile, src: torch.Tensor, offset: torch.Tensor,
                   n: torch.Tensor) -> None:

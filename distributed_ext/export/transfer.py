@@ -14,7 +14,15 @@ import torch.distributed as dist
 
 from distributed_ext import _agree, _direct_io, _watch
 from distributed_ext.export import sinks
-from distributed_ext.export.messages import Segment, _message_nbytes, _placement, _rows, plan_messages
+from distributed_ext.export.messages import (
+    PACK_BYTES,
+    Segment,
+    _message_nbytes,
+    _placement,
+    _rows,
+    edge_messages,
+    plan_messages,
+)
 from distributed_ext.export.pieces import Entry
 from distributed_ext.export.stager import _needs_pinned, _PinnedSlots, _Stager
 
@@ -75,36 +83,54 @@ def _short(e: Entry, p: Any) -> bool:
 
 def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
                       ctx: _agree.GroupContext | None, dst_rank: int,
-                      chunk: int, local: bool = False) -> _Prepared:
+                      chunk: int, local: bool = False,
+                      bases: torch.Tensor | None = None) -> _Prepared:
     """Plans this rank's messages and allocates every buffer the transfer needs (raising
     here, in the round that agrees the ranks are ready, rather than mid-stream): dst two
     receive chunks per sender and its own pieces' slots, a sender its staging slots.
-    ``ctx`` None: one process, no link. ``local`` (``writers="all"``): every rank writes the
-    pieces of long runs it holds itself (a sender's :attr:`_Prepared.local_messages`, with a
-    host stager); pieces of short runs still travel to dst (:func:`_short`)."""
+    ``ctx`` None: one process, no link.
+
+    ``local`` (``writers="all"``): every rank writes the whole aligned blocks of the long
+    runs it holds itself (a sender's :attr:`_Prepared.local_messages`, with a host stager);
+    what travels to dst is the pieces of short runs (:func:`_short`) and the edges of the
+    long ones -- the bytes of blocks they share with other runs (:func:`edge_messages`,
+    ``bases``: each entry's file offset) -- so dst writes every block that more than one
+    run touches, and each block of the files has exactly one writer."""
     me = 0 if ctx is None else ctx.rank
     link = torch.device("cpu") if ctx is None else ctx.device
     on_device = link.type == "cuda"  # NCCL: what crosses the link is device memory
     world = 1 if ctx is None else ctx.size
+    cap = min(chunk, PACK_BYTES)  # edge messages are packed: the stager's slot size
     # Every rank's messages on dst (it receives them all); a sender's own only.
     pairs = ((e, p) for e in entries for p in e.pieces)
     local_messages: list[list[Segment]] = []
-    if local:  # what goes to dst: dst's own pieces, and the others' short ones
+    if not local:
         if me == dst_rank:
-            pairs = ((e, p) for e, p in pairs if p.rank == me or _short(e, p))
+            streams = plan_messages(pairs, chunk, world)
         else:
-            short: list[tuple[Entry, Any]] = []
-            long: list[tuple[Entry, Any]] = []
-            for e, p in pairs:
-                if p.rank == me:
-                    (short if _short(e, p) else long).append((e, p))
-            local_messages = plan_messages(long, chunk)
-            pairs = iter(short)
-    if me == dst_rank:
-        streams = plan_messages(pairs, chunk, world)
+            streams = [[] for _ in range(world)]
+            streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
     else:
-        streams = [[] for _ in range(world)]
-        streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
+        to_dst: list[tuple[Entry, Any]] = []  # dst's own pieces, and the others' short ones
+        written: list[tuple[Entry, Any]] = []  # the others' long ones, written where held
+        for e, p in pairs:
+            if me == dst_rank:  # dst plans every rank's pieces and writes its own whole
+                (to_dst if p.rank == me or _short(e, p) else written).append((e, p))
+            elif p.rank == me:
+                (to_dst if _short(e, p) else written).append((e, p))
+        if me == dst_rank:  # each sender's stream: its short pieces, then its long ones' edges
+            streams = plan_messages(to_dst, chunk, world)
+            for r, held in enumerate(plan_messages(written, chunk, world)):
+                if held:
+                    assert bases is not None, "writers='all' needs the files' layout"
+                    streams[r] = streams[r] + edge_messages(held, bases, _direct_io.ALIGN, cap)
+        else:
+            streams = [[] for _ in range(world)]
+            local_messages = plan_messages(written, chunk)
+            streams[me] = plan_messages(to_dst, chunk)
+            if local_messages:
+                assert bases is not None, "writers='all' needs the files' layout"
+                streams[me] += edge_messages(local_messages, bases, _direct_io.ALIGN, cap)
     messages = streams[me]
     gpu_shards = _needs_pinned(state, messages)  # any of this rank's pieces on a GPU
     pinned = None
