@@ -221,6 +221,46 @@ def exchange(status: Status, ctx: GroupContext, what: str = "distributed_ext") -
     return [Status.decode(bytes(tensor_bytes(t))) for t in out]
 
 
+def agree(what: str, ctx: GroupContext, step: Callable[[], tuple[int, ...] | None] | None = None,
+          *, stage: str = "", failure: BaseException | None = None,
+          via: GroupContext | None = None, cleanup: Callable[[], None] | None = None
+          ) -> list[Status]:
+    """One agreed round, the skeleton of every collective here: runs ``step`` on this rank
+    (or takes ``failure``, one already caught), carries the outcome -- success, with the
+    ``fields`` the step returned, or any BaseException -- to every rank, and raises the first
+    failure on every rank alike (:func:`raise_first_failure`, labelled ``what (stage)``),
+    after running ``cleanup`` here (a peer lost in the round included).
+
+    Args:
+        what: The calling collective's name (its watch and error labels).
+        ctx: The group.
+        step: This rank's work in the round; None: only ``failure`` is agreed.
+        stage: Names the round in the error (``"allocating"``, ``"transfer"``).
+        failure: A failure of this rank's to carry (with no ``step``).
+        via: The context whose device the records travel on (default ``ctx``).
+        cleanup: Undoes this rank's part before it raises (frees buffers, removes files).
+
+    Returns:
+        Every rank's status, in group rank order, once every rank succeeded.
+    """
+    if step is not None:
+        try:
+            fields = step()
+            status = Status() if fields is None else Status(fields=fields)
+        except BaseException as exc:  # noqa: BLE001 - carried to every rank, raised below
+            status = Status.failed(exc)
+    else:
+        status = Status() if failure is None else Status.failed(failure)
+    try:
+        statuses = exchange(status, via or ctx, what)
+        raise_first_failure(f"{what} ({stage})" if stage else what, statuses, ctx, status)
+    except BaseException:
+        if cleanup is not None:
+            cleanup()
+        raise
+    return statuses
+
+
 def broadcast_status(status: Status | None, src: int, ctx: GroupContext,
                      what: str = "distributed_ext") -> Status:
     """Broadcasts the status record of global rank ``src`` (pass it there, None elsewhere)."""

@@ -268,15 +268,15 @@ def _gather_agreed(resolve_source: Callable[[], ByteSource], dst: int, chunk_byt
                    progress: ProgressCallback | None) -> list[bytearray] | None:
     """The rounds of the collective; see the module docstring."""
     # Round 1: arguments and sizes. Any failure (BaseException too) is carried to every rank.
-    try:
+    held: dict[str, Any] = {}
+
+    def resolve_sizes() -> tuple[int, ...]:
         _check_args(dst, chunk_bytes, ctx)
-        source = resolve_source()
-        own = _agree.Status(fields=(source.nbytes, chunk_bytes, dst))
-    except BaseException as exc:  # noqa: BLE001 - carried to every rank, re-raised here
-        source = ByteSource([])
-        own = _agree.Status.failed(exc)
-    statuses = _agree.exchange(own, ctx, what)
-    _agree.raise_first_failure(what, statuses, ctx, own)
+        held["source"] = source = resolve_source()
+        return (source.nbytes, chunk_bytes, dst)
+
+    statuses = _agree.agree(what, ctx, resolve_sizes)
+    source = held["source"]
     sizes = [s.fields[0] for s in statuses]
     for name, index in (("chunk_bytes", 1), ("dst", 2)):
         values = [s.fields[index] for s in statuses]
@@ -294,25 +294,21 @@ def _gather_agreed(resolve_source: Callable[[], ByteSource], dst: int, chunk_byt
     if _agree.group_has_nccl(ctx.group):
         data_ctx = dataclasses.replace(ctx, device=torch.device("cuda",
                                                                  torch.cuda.current_device()))
-    outputs: list[bytearray] | None = None
-    pipeline = None
-    try:
+
+    def allocate() -> None:
         interrupted = deferred.take()  # an interrupt during round 1 fails the call here
         if interrupted is not None:
             raise interrupted
         if ctx.rank == dst_rank:
             # Prefaulted in parallel now, not one fault at a time inside the receive.
-            outputs = [_native.empty_bytearray(n, prefault=r != ctx.rank)
-                       for r, n in enumerate(sizes)]
+            held["outputs"] = [_native.empty_bytearray(n, prefault=r != ctx.rank)
+                               for r, n in enumerate(sizes)]
         if data_ctx.device.type == "cuda":
-            pipeline = DeviceGather(sizes, data_ctx, dst_rank, chunk)
-        alloc = _agree.Status()
-    except BaseException as exc:  # noqa: BLE001 - carried to every rank, re-raised here
-        outputs = None
-        pipeline = None
-        alloc = _agree.Status.failed(exc)
-    _agree.raise_first_failure(f"{what} (allocating)",
-                               _agree.exchange(alloc, data_ctx, what), ctx, alloc)
+            held["pipeline"] = DeviceGather(sizes, data_ctx, dst_rank, chunk)
+
+    _agree.agree(what, ctx, allocate, stage="allocating", via=data_ctx)
+    outputs: list[bytearray] | None = held.get("outputs")
+    pipeline = held.get("pipeline")
 
     # Data. Progress is reported on dst only; a callback that raises is not called again and
     # its exception fails the call on every rank in the final round, after the transfer.
@@ -330,10 +326,7 @@ def _gather_agreed(resolve_source: Callable[[], ByteSource], dst: int, chunk_byt
 
     # Final round: every rank learns whether the data phase failed anywhere (a callback on
     # dst, an interrupt that waited for the transfer to finish), so all raise or none does.
-    failure = callback_error or deferred.take()
-    final = _agree.Status() if failure is None else _agree.Status.failed(failure)
-    _agree.raise_first_failure(f"{what} (transfer)", _agree.exchange(final, ctx, what), ctx,
-                               final)
+    _agree.agree(what, ctx, failure=callback_error or deferred.take(), stage="transfer")
     return outputs
 
 

@@ -68,3 +68,41 @@ def test_lengths_past_the_record_are_refused():
     struct.pack_into("<H", record, size, 4000)  # a label length beyond the 2 KiB record
     with pytest.raises(ValueError, match="kind or lengths"):
         Status.decode(bytes(record))
+
+
+def _one_round(failing_rank, kind):
+    import torch.distributed as dist
+
+    ctx = _agree.resolve_group(None, "test")
+    cleaned = []
+
+    def step():
+        if dist.get_rank() == failing_rank:
+            raise kind("the disk is full")
+        return (dist.get_rank() * 10,)
+
+    try:
+        statuses = _agree.agree("test", ctx, step, stage="writing",
+                                cleanup=lambda: cleaned.append(True))
+        outcome = ("ok", [s.fields[0] for s in statuses])
+    except BaseException as exc:  # noqa: BLE001 - the outcome is the test's subject
+        outcome = (type(exc).__name__, str(exc))
+    # The group is still usable: a failed round is agreed, not a hang.
+    after = _agree.agree("test", ctx, lambda: None, stage="after")
+    return outcome, cleaned, len(after)
+
+
+@pytest.mark.parametrize("kind", [OSError, KeyboardInterrupt])
+def test_a_round_that_fails_on_one_rank_raises_on_every_rank_after_cleaning_up(kind):
+    from harness import assert_all_ok, run_ranks
+
+    values = assert_all_ok(run_ranks(_one_round, 3, 1, kind, timeout=120))
+    for r, (outcome, cleaned, after) in enumerate(values):
+        assert cleaned == [True] and after == 3, (r, cleaned)
+        if r == 1:  # its own exception, as raised
+            assert outcome == (kind.__name__, "the disk is full"), outcome
+        else:  # the others name it and the round
+            assert outcome[0] == "RuntimeError" and outcome[1].startswith(
+                f"test (writing): rank 1 failed with {kind.__name__}: the disk is full"), outcome
+    values = assert_all_ok(run_ranks(_one_round, 2, None, OSError, timeout=120))
+    assert [v[0] for v in values] == [("ok", [0, 10])] * 2 and [v[1] for v in values] == [[]] * 2

@@ -184,24 +184,18 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                        None if ctx.rank == dst_rank else ctx.rank)
         parts: dict[str, Any] = {"sink": None, "prepared": None}
 
+        def release() -> None:
+            """A failed round's cleanup: the buffers released and dst's stage removed."""
+            if parts["prepared"] is not None:
+                parts["prepared"].release()
+                parts["prepared"].release_local()
+            if parts["sink"] is not None:
+                parts["sink"].abort()
+
         def agreed(stage: str, step: Callable[[], None]) -> None:
-            """Runs ``step`` here and agrees its outcome; on any failure (on any rank) the
-            buffers are released and dst's stage removed, then every rank raises."""
-            try:
-                step()
-                status = _agree.Status()
-            except BaseException as exc:  # noqa: BLE001 - carried to every rank
-                status = _agree.Status.failed(exc)
-            try:
-                _agree.raise_first_failure(f"{what} ({stage})",
-                                           _agree.exchange(status, ctx, what), ctx, status)
-            except BaseException:
-                if parts["prepared"] is not None:
-                    parts["prepared"].release()
-                    parts["prepared"].release_local()
-                if parts["sink"] is not None:
-                    parts["sink"].abort()
-                raise
+            """Runs ``step`` here and agrees its outcome; on any failure (on any rank) every
+            rank cleans up (:func:`release`) and raises."""
+            _agree.agree(what, ctx, step, stage=stage, cleanup=release)
 
         def prepare() -> None:
             interrupted = deferred.take()  # one that landed in the metadata round fails here
@@ -260,15 +254,8 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             raise _agree.peer_failure_error(what, exc) from exc.cause
         except BaseException as exc:  # noqa: BLE001 - a full disk on dst: agreed below
             failure = exc
-        failure = failure or deferred.take()
-        status = _agree.Status() if failure is None else _agree.Status.failed(failure)
-        try:
-            _agree.raise_first_failure(f"{what} (transfer)", _agree.exchange(status, ctx, what),
-                                       ctx, status)
-        except BaseException:
-            if sink is not None:
-                sink.abort()
-            raise
+        _agree.agree(what, ctx, failure=failure or deferred.take(), stage="transfer",
+                     cleanup=None if sink is None else sink.abort)
         if ctx.rank != dst_rank:
             sink = None  # (a writer's own files: closed; dst publishes them)
         if commit:
