@@ -1433,11 +1433,12 @@ def _both_writers(base):
     }
     out = {}
     writes = []
-    for writers in ("all", "dst"):
+    for writers in ("all", "dst", None):  # None: the default, on this one host's disk
         before = _written_bytes()
-        sent = _counting_sends(lambda w=writers: writes.extend(_recording_writes(
-            lambda: dx.export_hf_checkpoint(state, os.path.join(base, w), writers=w,
-                                            max_shard_size="300KB"))))
+        kwargs = {} if writers is None else {"writers": writers}
+        sent = _counting_sends(lambda w=writers, kw=kwargs: writes.extend(_recording_writes(
+            lambda: dx.export_hf_checkpoint(state, os.path.join(base, str(w)),
+                                            max_shard_size="300KB", **kw))))
         out[writers] = (sent, _written_bytes() - before)
         if writers == "all":
             out["blocks"] = _blocks_written(writes)
@@ -1451,8 +1452,10 @@ def test_every_rank_writes_its_own_bytes_into_the_same_files_the_single_writer_m
     values = assert_all_ok(run_ranks(_both_writers, world, str(tmp_path), timeout=180))
     names = sorted(os.listdir(tmp_path / "dst"))
     assert names == sorted(os.listdir(tmp_path / "all")) and E.INDEX_NAME in names
+    assert names == sorted(os.listdir(tmp_path / "None"))
     for name in names:  # byte for byte
         assert (tmp_path / "all" / name).read_bytes() == (tmp_path / "dst" / name).read_bytes()
+        assert (tmp_path / "None" / name).read_bytes() == (tmp_path / "dst" / name).read_bytes()
     total = sum(os.path.getsize(tmp_path / "all" / n) for n in names if n != E.INDEX_NAME)
     # Every 4 KiB block of the files has one writer: where two ranks' runs meet inside a
     # block, dst writes it (the sender sends it the bytes it holds there).
@@ -1474,6 +1477,11 @@ def test_every_rank_writes_its_own_bytes_into_the_same_files_the_single_writer_m
             assert wrote_dst >= total  # the single writer writes every byte ...
         else:
             assert sent_dst > fsdp_share and wrote_dst < 2**20  # ... the others send theirs
+        # The default on a directory every rank sees (here one host's disk): every rank
+        # writes its own bytes, as with "all".
+        sent_auto, wrote_auto = got[None]
+        assert sent_auto == sent_all and fsdp_share <= wrote_auto < total / world + 2**20, \
+            (r, got[None], got["all"])
 
 
 def _blind_rank(out, writers):
@@ -1481,8 +1489,6 @@ def _blind_rank(out, writers):
         from distributed_ext.export import writers as export_writers
 
         export_writers._sees = lambda stage, token: False
-    if dist.get_rank() == 2:  # on another host: "auto" then probes who sees the directory
-        export_api.socket.gethostname = lambda: "another-host"
     state = {f"w{dist.get_rank()}": torch.full((1000,), 1.0)}
     sent = []
     outcome = _outcome(lambda: sent.append(_counting_sends(

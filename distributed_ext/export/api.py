@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import astuple
 from typing import Any
@@ -139,7 +138,6 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         described = describe_state(state, None if recorded is None else astuple(recorded),
                                    local)
         described.args = _Args(dst, chunk, extra_args)
-        described.host = socket.gethostname()
         held.update(local=local, model=model, chunk=chunk, described=described)
         return described.summary()
 
@@ -206,10 +204,6 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             if writers == "dst":
                 parts["prepared"] = _prepare_transfer(state, entries, ctx, dst_rank, chunk)
 
-        if writers == "auto" and len({d.host for d in described}) == 1:
-            # One host: its ranks share one disk and the link is a loopback; a single
-            # writer measured as fast or faster there (see writers.py). Nothing to probe.
-            writers = "dst"
         agreed("preparing", prepare)
         mode = "dst"
         if writers != "dst":
@@ -302,11 +296,10 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     directory every rank sees as dst does (a shared filesystem, or one machine): dst writes
     a probe with a random token into its stage and every rank reads it back. ``"dst"``: dst
     writes every byte (no shared filesystem needed). ``"auto"`` (default): ``"all"`` where
-    the ranks span several hosts and every rank sees the directory, else ``"dst"`` (on one
-    host one writer measured as fast or faster); ``"all"`` where some rank does not see it is
-    a ValueError on every rank naming those ranks. Pieces of short runs (small tensors,
-    ``Shard(1)`` rows) go to dst either way, which assembles them into whole regions. Same
-    files, byte for byte, either way.
+    every rank sees the directory (one host's local disk included), else ``"dst"``;
+    ``"all"`` where some rank does not see it is a ValueError on every rank naming those
+    ranks. Pieces of short runs (small tensors, ``Shard(1)`` rows) go to dst either way,
+    which assembles them into whole regions. Same files, byte for byte, either way.
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two

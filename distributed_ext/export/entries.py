@@ -92,7 +92,6 @@ class Described:
     plan: tuple | None = None
     args: Any = None  # the call's _Args, agreed in the same round
     digest: bytes = b""  # of keys and sig_ids (a summary's, which has neither)
-    host: str = ""  # the rank's host name (writers="auto" asks whether ranks share one)
 
     def summary(self) -> Described:
         """This without its keys and ids, with their digest: a few hundred bytes whatever
@@ -102,8 +101,7 @@ class Described:
         h.update(len(self.keys).to_bytes(8, "little"))
         h.update("\0".join(self.keys).encode("utf-8", "surrogatepass"))
         h.update(self.sig_ids)
-        return Described(None, None, self.signatures, self.plan, self.args, h.digest(),
-                         self.host)
+        return Described(None, None, self.signatures, self.plan, self.args, h.digest())
 
 
 def resolve_described(summaries: list[Described], mine: Described, what: str,
@@ -116,7 +114,7 @@ def resolve_described(summaries: list[Described], mine: Described, what: str,
         tables = [(mine.keys, mine.sig_ids)] * len(summaries)
     else:
         tables = all_reduce(f"{what}: keys", lambda: (mine.keys, mine.sig_ids), list, group)
-    return [Described(keys, ids, d.signatures, d.plan, d.args, d.digest, d.host)
+    return [Described(keys, ids, d.signatures, d.plan, d.args, d.digest)
             for d, (keys, ids) in zip(summaries, tables)]
 
 

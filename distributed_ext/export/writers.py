@@ -19,11 +19,13 @@ layout) still go to dst, which assembles them into whole regions: every rank wri
 That needs a directory every rank sees as dst does: dst writes a probe file with a random
 token into the stage, every rank reads it back, and the answers are agreed. ``"all"`` on a
 directory some rank does not see is a ValueError on every rank naming those ranks.
-``"auto"`` picks ``"all"`` where the ranks span several hosts and every rank sees the
-directory, else ``"dst"``: on one host the ranks share one disk and the link is a loopback,
-and one writer measured as fast or faster (2-core VM, world 2, 1 GiB FSDP2-shaped: ext4
-0.60-0.73 s for dst against 0.86-0.90 s for all, tmpfs 0.65 s against 0.59-0.80 s), so
-nothing is probed there.
+``"auto"`` picks ``"all"`` where every rank sees the directory, else ``"dst"``. On one host
+the ranks share its disk: measured on a 2-core VM (world 2, a 1 GiB Llama-shaped FSDP2 model,
+first call / warm), ext4 all 0.895 / 0.744 s against dst 0.931 / 0.883 s, tmpfs 0.73-0.87 /
+0.67-0.71 s against 0.72-0.87 / 0.66-0.79 s -- about even, the filesystem being the bound
+(two processes writing halves of one tmpfs file are not faster than one: the kernel takes
+the file's lock for each write) -- while dst holds 20 MiB instead of 48 MiB and nothing
+crosses the link. Across hosts "all" is the one that scales (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
