@@ -130,3 +130,32 @@ def test_a_ram_filesystem_gets_no_o_direct():
     finally:
         file.close()
         os.unlink(path)
+
+
+def test_one_bounce_buffer_per_writing_thread_whatever_the_number_of_files(tmp_path):
+    # A checkpoint of 200 shard files is written by a thread or two: each thread bounces
+    # through one 8 MiB buffer (and one writer thread), not one per file it writes (as it
+    # did: 8 MiB more for every file written).
+    from harness import read_rss
+
+    data = torch.randint(0, 256, (_direct_io.BOUNCE_BYTES + 5000,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(7))
+    src = data[1:]  # unaligned: bounced wherever the file goes direct
+    files = [DirectFile(str(tmp_path / f"f{i}"), src.numel() + ALIGN) for i in range(16)]
+    if files[0].direct_fd is None:
+        for f in files:
+            f.close()
+        pytest.skip("this filesystem takes no O_DIRECT: nothing is bounced")
+    files[0].write(ALIGN, src)  # the thread's buffer, made once
+    before = read_rss()
+    buffers = set()
+    for f in files:
+        f.write(ALIGN, src)
+        buffers.add(_direct_io._LOCAL.buf.data_ptr())
+    grown = read_rss() - before
+    for f in files:
+        f.sync()
+        f.close()
+    assert len(buffers) == 1 and grown < 4 * _direct_io.BOUNCE_BYTES, (buffers, grown)
+    with open(tmp_path / "f15", "rb") as f:
+        assert f.read()[ALIGN:] == src.numpy().tobytes()
