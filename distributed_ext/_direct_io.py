@@ -245,7 +245,8 @@ class DirectFile:
             return
         self.fd = os.open(self.path, os.O_WRONLY)
         flag = getattr(os, "O_DIRECT", 0)
-        if flag and self.direct_fd_usable:
+        # Only where the first open took it (not on a RAM filesystem, which accepts it too)
+        if flag and self.direct_capable and self.direct_fd_usable:
             with contextlib.suppress(OSError):
                 self.direct_fd = os.open(self.path, os.O_WRONLY | flag)
 

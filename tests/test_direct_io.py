@@ -126,6 +126,11 @@ def test_a_ram_filesystem_gets_no_o_direct():
     try:
         assert file.direct_fd is None and not file.direct_capable
         file.write(0, aligned_empty(2 * ALIGN).fill_(7))
+        # Closed and reopened (as a sink that bounds its open files does): still not direct.
+        file.close()
+        file.reopen()
+        assert file.direct_fd is None
+        file.write(0, aligned_empty(2 * ALIGN).fill_(7))
         assert file.direct_bytes == 0
     finally:
         file.close()
