@@ -1367,7 +1367,9 @@ def test_planning_every_rank_at_once_equals_planning_each_rank_alone():
             e.pieces.append(E.Piece(r, E.Block((0,), (n,)), n, e.key))
         entries.append(e)
     pairs = [(e, p) for e in entries for p in e.pieces]
-    together = E.plan_messages(iter(pairs), 4096, 3)
+    from distributed_ext.export.messages import plan_streams
+
+    together = plan_streams(iter(pairs), 4096, 3)
     for r in range(3):
         alone = E.plan_messages([(e, p) for e, p in pairs if p.rank == r], 4096)
         assert together[r] == alone and alone, r

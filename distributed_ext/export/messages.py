@@ -53,20 +53,28 @@ def _placement(sink: Any, message: list[Segment]) -> int:
 Segment = tuple[Entry, Piece, int, int]
 
 
-def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int,
-                  world: int | None = None) -> Any:
-    """How pieces travel, computed alike by a sender and dst (and by dst for its own pieces
-    on their way to the files).
+def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int) -> list[list[Segment]]:
+    """How one rank's pieces travel, computed alike by a sender and dst (and by dst for its
+    own pieces on their way to the files).
 
     A piece of at least ``chunk`` bytes goes alone, in messages of ``chunk`` bytes (sent from
     its own memory); smaller pieces are packed back to back into messages of up to
     ``PACK_BYTES`` (1 MiB), so that a model of 100k small tensors costs a few messages, not
     100k, and dst writes one while the sender packs the next.
-
-    ``world`` None: ``items`` are one rank's pieces; returns their messages. Else every
-    rank's pieces, in plan order; returns each group rank's messages (a list per rank), in
-    one pass -- dst plans every sender's stream.
     """
+    return _plan(items, chunk, None)[0]
+
+
+def plan_streams(items: Iterable[tuple[Entry, Piece]], chunk: int,
+                 world: int) -> list[list[list[Segment]]]:
+    """Every rank's messages (:func:`plan_messages` of its pieces), from all ranks' pieces in
+    plan order, in one pass: dst plans every sender's stream. A list per group rank."""
+    return _plan(items, chunk, world)
+
+
+def _plan(items: Iterable[tuple[Entry, Piece]], chunk: int,
+          world: int | None) -> list[list[list[Segment]]]:
+    """The streams of :func:`plan_streams` (``world`` None: one, of all ``items``)."""
     # Per rank: [its messages, the message being packed, its bytes so far]
     streams: list[list[Any]] = [[[], [], 0] for _ in range(world or 1)]
     # Packed messages stay small enough that a receiver writes one while the next is packed.
@@ -89,7 +97,7 @@ def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int,
     for stream in streams:
         if stream[1]:
             stream[0].append(stream[1])
-    return streams[0][0] if world is None else [stream[0] for stream in streams]
+    return [stream[0] for stream in streams]
 
 
 def _message_nbytes(message: list[Segment]) -> int:

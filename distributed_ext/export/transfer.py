@@ -22,6 +22,7 @@ from distributed_ext.export.messages import (
     _rows,
     edge_messages,
     plan_messages,
+    plan_streams,
 )
 from distributed_ext.export.pieces import Entry
 from distributed_ext.export.stager import _needs_pinned, _PinnedSlots, _Stager
@@ -106,7 +107,7 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     local_messages: list[list[Segment]] = []
     if not local:
         if me == dst_rank:
-            streams = plan_messages(pairs, chunk, world)
+            streams = plan_streams(pairs, chunk, world)
         else:
             streams = [[] for _ in range(world)]
             streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
@@ -119,8 +120,8 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             elif p.rank == me:
                 (to_dst if _short(e, p) else written).append((e, p))
         if me == dst_rank:  # each sender's stream: its short pieces, then its long ones' edges
-            streams = plan_messages(to_dst, chunk, world)
-            for r, held in enumerate(plan_messages(written, chunk, world)):
+            streams = plan_streams(to_dst, chunk, world)
+            for r, held in enumerate(plan_streams(written, chunk, world)):
                 if held:
                     assert bases is not None, "writers='all' needs the files' layout"
                     streams[r] = streams[r] + edge_messages(held, bases, _direct_io.ALIGN, cap)
