@@ -236,8 +236,9 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             # the rest of its own pieces itself and makes them durable.
             try:
                 _transfer(state, prepared, sink, ctx, dst_rank, what)
-                if prepared.local_stager is not None:
-                    _write_own(prepared.local_stager, sink, prepared.local_messages)
+                if prepared.local_messages:
+                    _write_own(prepared.start_local(state, chunk), sink,
+                               prepared.local_messages)
             finally:
                 prepared.release_local()
             if ctx.rank != dst_rank and sink is not None:

@@ -57,9 +57,8 @@ class _Prepared:
     # dst only: each sender's messages still to receive, and its free receive buffers
     plans: dict[int, collections.deque] = field(default_factory=dict)
     free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    # writers="all", a sender: the pieces it writes itself, and the host stager for them
+    # writers="all", a sender: the pieces it writes itself (their stager: start_local())
     local_messages: list[list[Segment]] = field(default_factory=list)
-    local_stager: _Stager | None = None
     local_pinned: _PinnedSlots | None = None
 
     def release(self) -> None:
@@ -67,6 +66,21 @@ class _Prepared:
         if self.pinned is not None:
             self.pinned.release()
             self.pinned = None
+
+    def start_local(self, state: dict[str, torch.Tensor], chunk: int) -> _Stager:
+        """The host stager of the pieces this rank writes itself (``writers="all"``), made
+        once the transfer is over: its pinned slot (for GPU bytes) is leased only then, when
+        the transfer's slots are back in the pool, so the two never add up (at most three
+        chunks pinned, the cached buffer reused). A failure here is this rank's, agreed in
+        the transfer round: no peer waits on these writes."""
+        if _needs_pinned(state, self.local_messages):
+            # Copied on this thread's stream: whatever other streams still compute into the
+            # shards lands first (as in _transfer).
+            torch.cuda.synchronize()
+            self.local_pinned = _PinnedSlots(1, chunk)
+        stager = _Stager(state, chunk, torch.device("cpu"), self.local_pinned)
+        stager.reserve(self.local_messages)
+        return stager
 
     def release_local(self) -> None:
         """Returns the local writes' pinned slot (no transport ever reads it)."""
@@ -92,7 +106,8 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     ``ctx`` None: one process, no link.
 
     ``local`` (``writers="all"``): every rank writes the whole aligned blocks of the long
-    runs it holds itself (a sender's :attr:`_Prepared.local_messages`, with a host stager);
+    runs it holds itself (a sender's :attr:`_Prepared.local_messages`, through
+    :meth:`_Prepared.start_local`);
     what travels to dst is the pieces of short runs (:func:`_short`) and the edges of the
     long ones -- the bytes of blocks they share with other runs (:func:`edge_messages`,
     ``bases``: each entry's file offset) -- so dst writes every block that more than one
@@ -143,13 +158,7 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             stager = _Stager(state, chunk, link, pinned)
             stager.reserve(messages)
             prepared = _Prepared(messages, stager, pinned, gpu_shards)
-            if local_messages:  # written here, through host slots (pinned for GPU bytes)
-                if _needs_pinned(state, local_messages):
-                    prepared.local_pinned = _PinnedSlots(1, chunk)
-                prepared.local_stager = _Stager(state, chunk, torch.device("cpu"),
-                                                prepared.local_pinned)
-                prepared.local_stager.reserve(local_messages)
-                prepared.local_messages = local_messages
+            prepared.local_messages = local_messages  # written here: start_local()
             return prepared
         # Pinned slots: 0 for the own-pieces thread (GPU shards), 1 for received device chunks.
         if gpu_shards or on_device:
@@ -170,8 +179,6 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     except BaseException:
         if pinned is not None:
             pinned.release()
-        if prepared is not None and prepared.local_pinned is not None:
-            prepared.local_pinned.release()
         raise
 
 
