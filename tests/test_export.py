@@ -717,7 +717,7 @@ def _export_killed_mid_transfer(out, victim, death_file, writers):
         return ("raised", time.time(), type(exc).__name__, str(exc))
 
 
-@pytest.mark.parametrize("victim, writers", [(1, "auto"), (0, "auto"), (1, "all")])
+@pytest.mark.parametrize("victim, writers", [(1, "dst"), (0, "dst"), (1, "auto"), (0, "auto")])
 def test_a_rank_killed_mid_export_is_named_by_every_survivor_within_10_s(victim, writers,
                                                                          tmp_path):
     out = tmp_path / "ckpt"
