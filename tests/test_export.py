@@ -1431,6 +1431,7 @@ def _both_writers(base):
         "rep": distribute_tensor(torch.randint(-9, 9, (300,), generator=g, dtype=torch.int8),
                                  mesh, [Replicate()]),
         "flags": torch.arange(77) % 3 == 0,  # a plain tensor every rank holds
+        "dense": torch.randn(4096, 256, generator=g),  # 4 MiB on every rank: split to write
         f"own{r}": torch.full((5000,), float(r), dtype=torch.float16),  # only this rank's
     }
     out = {}
@@ -1445,7 +1446,7 @@ def _both_writers(base):
         if writers == "all":
             out["blocks"] = _blocks_written(writes)
     fsdp_share = state["fsdp"].to_local().numel() * 4  # this rank's block
-    return out, fsdp_share
+    return out, fsdp_share, 4 * 2**20 // world - world * 4096  # and its rows of "dense"
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -1461,28 +1462,33 @@ def test_every_rank_writes_its_own_bytes_into_the_same_files_the_single_writer_m
     total = sum(os.path.getsize(tmp_path / "all" / n) for n in names if n != E.INDEX_NAME)
     # Every 4 KiB block of the files has one writer: where two ranks' runs meet inside a
     # block, dst writes it (the sender sends it the bytes it holds there).
-    blocks = [got["blocks"] for got, _share in values]
+    blocks = [got["blocks"] for got, _fsdp, _dense in values]
     for a, b in itertools.combinations(range(world), 2):
         assert not blocks[a] & blocks[b], (a, b, sorted(blocks[a] & blocks[b])[:5])
     assert sum(map(len, blocks)) >= total // 4096  # (and the writes were seen)
-    for r, (got, fsdp_share) in enumerate(values):
+    for r, (got, fsdp_share, dense_share) in enumerate(values):
         sent_all, wrote_all = got["all"]
         sent_dst, wrote_dst = got["dst"]
         # Only pieces of short runs cross the link (here the Shard(1) rows, the small
         # tensors: ~20 KiB), for dst to assemble them into whole regions, and the partial
-        # 4 KiB blocks at the ends of the FSDP block (under 8 KiB); the FSDP block never.
+        # 4 KiB blocks at the ends of its two long runs (its FSDP block, its rows of "dense":
+        # under 16 KiB); the FSDP block never.
         assert sent_all < 64 * 2**10, (r, sent_all)
-        assert r == 0 or sent_all < sent_dst - fsdp_share + 2 * 4096, (r, sent_all, sent_dst)
-        # Each rank writes about its share (its FSDP block at least), never the checkpoint.
-        assert fsdp_share <= wrote_all < total / world + 2**20, (r, wrote_all, total)
+        assert r == 0 or sent_all < sent_dst - fsdp_share + 4 * 4096, (r, sent_all, sent_dst)
+        # Each rank writes about its share (its FSDP block and its rows of the replicated
+        # "dense", split between its holders), never the checkpoint.
+        assert fsdp_share + dense_share <= wrote_all < total / world + 2**20, \
+            (r, wrote_all, total)
         if r == 0:
             assert wrote_dst >= total  # the single writer writes every byte ...
-        else:
-            assert sent_dst > fsdp_share and wrote_dst < 2**20  # ... the others send theirs
+        else:  # ... the others send theirs (but no byte of "dense": dst has its own copy)
+            assert fsdp_share < sent_dst < fsdp_share + 2**20 and wrote_dst < 2**20, \
+                (r, sent_dst, wrote_dst)
         # The default on a directory every rank sees (here one host's disk): every rank
         # writes its own bytes, as with "all".
         sent_auto, wrote_auto = got[None]
-        assert sent_auto == sent_all and fsdp_share <= wrote_auto < total / world + 2**20, \
+        assert sent_auto == sent_all and fsdp_share + dense_share <= wrote_auto < \
+            total / world + 2**20, \
             (r, got[None], got["all"])
 
 
@@ -1491,7 +1497,10 @@ def _blind_rank(out, writers):
         from distributed_ext.export import writers as export_writers
 
         export_writers._sees = lambda stage, token: False
-    state = {f"w{dist.get_rank()}": torch.full((1000,), 1.0)}
+    # (and 4 MiB every rank holds: split between the writers under "all", dst's own copy
+    # once "auto" falls back to one writer -- none of it then crosses the link)
+    state = {f"w{dist.get_rank()}": torch.full((1000,), 1.0),
+             "dense": torch.arange(2**20, dtype=torch.float32)}
     sent = []
     outcome = _outcome(lambda: sent.append(_counting_sends(
         lambda: dx.export_hf_checkpoint(state, out, writers=writers))))
@@ -1509,8 +1518,8 @@ def test_writers_all_on_a_directory_a_rank_does_not_see_is_refused_and_auto_fall
     assert not out.exists() and not [n for n in os.listdir(tmp_path) if "dext" in n]
     values = assert_all_ok(run_ranks(_blind_rank, 3, str(out), "auto"))
     assert [v[0][0] for v in values] == ["ok"] * 3
-    assert values[1][1][0] > 0  # the fallback: dst writes, rank 1 sends its bytes
-    assert sorted(_read_checkpoint(out)) == ["w0", "w1", "w2"]
+    assert 0 < values[1][1][0] < 2**20  # the fallback: dst writes, rank 1 sends its bytes
+    assert sorted(_read_checkpoint(out)) == ["dense", "w0", "w1", "w2"]
 
 
 def test_writers_must_be_auto_all_or_dst(tmp_path):
@@ -1610,6 +1619,9 @@ def _both_writers_2d(base):
                                   [Replicate(), Shard(0)]),
         "fsdp_tp": distribute_tensor(torch.randn(256, 1024, generator=g), mesh,
                                      [Shard(0), Shard(1)]),
+        # 4 MiB HSDP shards, each split between its two holders to write (2 MiB each)
+        "hsdp_big": distribute_tensor(torch.randn(4096, 512, generator=g), mesh,
+                                      [Replicate(), Shard(0)]),
     }
     out = {}
     for writers in ("all", "dst"):
@@ -1626,10 +1638,12 @@ def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(tmp_pa
     data = (tmp_path / "all" / E.WEIGHTS_NAME).read_bytes()
     assert data == (tmp_path / "dst" / E.WEIGHTS_NAME).read_bytes()
     # Each 256 KiB HSDP block is written once, by one of its two holders (dst for the one it
-    # holds, one of ranks 1 and 3 for the other); the FSDP+TP blocks' rows are 2 KiB runs,
-    # which dst assembles. All ranks together write the file once, not once per replica.
+    # holds, one of ranks 1 and 3 for the other); each 4 MiB one is split between its two
+    # holders (2 MiB each: every rank writes); the FSDP+TP blocks' rows are 2 KiB runs, which
+    # dst assembles. All ranks together write the file once, not once per replica.
     assert len(data) <= sum(v["all"] for v in values) < len(data) + 2**20, values
-    assert values[0]["all"] < len(data) - 200 * 2**10, values  # dst did not write it all
-    assert max(values[r]["all"] for r in (1, 3)) >= 256 * 2**10, values
+    assert values[0]["all"] < len(data) - 4 * 2**20, values  # dst did not write it all
+    assert max(values[r]["all"] for r in (1, 3)) >= 2 * 2**20 + 256 * 2**10, values
+    assert min(v["all"] for v in values) >= 2 * 2**20 - 8192, values
     for a, b in itertools.combinations(range(4), 2):  # every 4 KiB block: one writer
         assert not values[a]["all blocks"] & values[b]["all blocks"], (a, b)

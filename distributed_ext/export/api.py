@@ -114,14 +114,14 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         return chunk
 
     def plan(described: list[Described], model: nn.Module | None, dst_rank: int,
-             ranks: list[int], keep: int | None = None) -> list[Entry]:
+             ranks: list[int], keep: int | None = None, spread: bool = False) -> list[Entry]:
         holdings = merge_holdings(described, ranks, dst_rank,
                                   agree_plan([d.plan for d in described], ranks))
         written = None
         if hub_keys and model is not None:
             written = _keys.resolve_written(model, {
                 k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()})
-        entries = plan_entries(holdings, written, dst_rank, ranks, keep)
+        entries = plan_entries(holdings, written, dst_rank, ranks, keep, spread)
         check_keys(entries)
         return entries
 
@@ -177,9 +177,11 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             raise ValueError(f"{what}: dst={dst} is not a member of the group (global ranks "
                              f"{ctx.ranks}); pass the global rank of one of them")
         state, model, chunk = held["local"], held["model"], held["chunk"]
-        # A sender makes only its own pieces; dst all of them (it lays out the files).
-        entries = plan(described, model, dst_rank, ctx.ranks,
-                       None if ctx.rank == dst_rank else ctx.rank)
+        # A sender makes only its own pieces; dst all of them (it lays out the files). Where
+        # every rank may write its own bytes, replicated blocks are split between their
+        # holders (planned again without, should the ranks turn out not to share the files).
+        keep = None if ctx.rank == dst_rank else ctx.rank
+        entries = plan(described, model, dst_rank, ctx.ranks, keep, spread=writers != "dst")
         parts: dict[str, Any] = {"sink": None, "prepared": None}
 
         def release() -> None:
@@ -217,7 +219,10 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 raise
 
             def join() -> None:
+                nonlocal entries
                 me = ctx.rank
+                if mode == "dst":  # (auto, where some rank does not see the files)
+                    entries = plan(described, model, dst_rank, ctx.ranks, keep)
                 if mode == "all" and me != dst_rank and any(
                         p.rank == me and not _short(e, p) for e in entries for p in e.pieces):
                     # (a rank with only short pieces sends them all: no files to open)
@@ -291,7 +296,9 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     Writers: with ``writers="all"`` every rank writes the bytes of its own pieces into the
     files at their final offsets (dst makes the files and publishes them), so an FSDP2
     model's bytes never cross the link and the export runs at the speed of every rank's
-    disk path; a replicated block is written once, by one of its holders. Each 4 KiB block
+    disk path; a replicated block (an HSDP shard, a plain tensor several ranks hold) is
+    written once, split by rows between its holders (from 2 MiB: 1 MiB or more each), each
+    writing its rows from its own copy. Each 4 KiB block
     of the files has one writer: a block two ranks' runs share is written by dst, to which
     the other rank sends its bytes there (under 4 KiB at each end of a run). That needs a
     directory every rank sees as dst does (a shared filesystem, or one machine): dst writes

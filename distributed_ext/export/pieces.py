@@ -161,8 +161,14 @@ def _group_blocks(sig: Signature, ranks: tuple[int, ...]) -> list[tuple[int, Blo
     return [(group_rank[g], Block(*blocks[g])) for g in sorted(blocks, key=group_rank.get)]
 
 
+# writers="all": a replicated block is split between its holders in row ranges of at least
+# this many bytes each (so that each is one long run, written where it is held).
+SPREAD_MIN = 2**20
+
+
 def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | None,
-                 dst_rank: int, ranks: list[int], keep: int | None = None) -> list[Entry]:
+                 dst_rank: int, ranks: list[int], keep: int | None = None,
+                 spread: bool = False) -> list[Entry]:
     """The export plan (the same on every rank): for each written tensor, which rank sends
     which block of it and from where; ValueError if a written tensor cannot be streamed or
     its blocks do not cover it. ``written`` None: every in-memory tensor as it is.
@@ -174,8 +180,14 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
 
     ``keep``: make only this group rank's pieces (a sender needs no other's); every check
     and every choice is still made for all of them, so the kept pieces are the same.
+
+    ``spread`` (every rank writes its own bytes: ``writers="all"``): a whole replicated block
+    (an HSDP shard, a plain tensor several ranks hold) of at least two ``SPREAD_MIN`` is
+    split by rows between its least-loaded holders, each writing its range from its own
+    copy, so that the writing is spread over the holders and nothing crosses the link; the
+    loads are then bytes written, dst's included.
     """
-    load = _Load(len(ranks))  # bytes each rank sends so far
+    load = _Load(len(ranks))  # bytes each rank sends (spread: writes) so far
     entries = []
     # A whole in-memory tensor's distinct blocks and their owners: computed once per list of
     # blocks, which every key of one DTensor signature shares.
@@ -184,7 +196,8 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
         for key, holding in holdings.items():
             entry = Entry(key, _DTYPE_BY_NAME[holding.sig.dtype], holding.sig.shape,
                           index=len(entries))
-            _add_whole(entry, key, holding, distinct, dst_rank, load, keep, share=True)
+            _add_whole(entry, key, holding, distinct, dst_rank, load, keep, share=True,
+                       spread=spread)
             entries.append(entry)
         return entries
     for w in written:
@@ -201,7 +214,7 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
             _distinct_blocks(part.source, holding, distinct)  # they tile it exactly
             if _is_whole(part, holding.sig.shape):
                 covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load,
-                                      keep, share=len(w.parts) == 1)
+                                      keep, share=len(w.parts) == 1, spread=spread)
                 continue
             blocks: dict[Block, list[tuple[int, Block, list[int], list[int]]]] = {}
             for r, held in holding.blocks:
@@ -225,11 +238,12 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
 
 def _add_whole(entry: Entry, source: str, holding: Holding,
                distinct: dict[int, list], dst_rank: int, load: _Load,
-               keep: int | None = None, share: bool = False) -> int:
+               keep: int | None = None, share: bool = False, spread: bool = False) -> int:
     """Adds the pieces of a written tensor that is in-memory tensor ``source`` as it is (one
-    per distinct block; ``keep``: only that rank's); returns the elements they cover (all of
-    them: the blocks were checked to tile the tensor). ``share``: the entry has no other
-    pieces, so it may take its signature's one list of pieces (no object per entry)."""
+    per distinct block, or per holder's row range with ``spread``; ``keep``: only that
+    rank's); returns the elements they cover (all of them: the blocks were checked to tile
+    the tensor). ``share``: the entry has no other pieces, so it may take its signature's
+    one list of pieces (no object per entry)."""
     got = _distinct_blocks(entry.key, holding, distinct)
     groups_list, fixed, covered = got[0], got[1], got[2]
     itemsize = entry.dtype.itemsize
@@ -243,7 +257,7 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
                       for (sender, wb), wb_runs in zip(fixed, runs)
                       if keep is None or sender == keep]
             sends = [(sender, wb.numel * itemsize) for sender, wb in fixed
-                     if sender != dst_rank and wb.numel]
+                     if (spread or sender != dst_rank) and wb.numel]
             shared = got[3][(itemsize, keep)] = (pieces, sends)
         pieces, sends = shared
         load.add_each(sends)
@@ -254,12 +268,37 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
                                 for p in pieces)
         return covered
     for wb, owners in groups_list:
+        nbytes = wb.numel * itemsize
+        ways = min(len(owners), nbytes // SPREAD_MIN, wb.shape[0] if wb.shape else 1)
+        if spread and ways > 1:
+            _add_spread(entry, source, wb, owners, ways, load, keep)
+            continue
         sender = _choose_sender(owners, dst_rank, load)
-        if sender != dst_rank:
-            load.add(sender, wb.numel * itemsize)
+        if spread or sender != dst_rank:
+            load.add(sender, nbytes)
         if keep is None or sender == keep:
-            entry.pieces.append(Piece(sender, wb, wb.numel * itemsize, source))
+            entry.pieces.append(Piece(sender, wb, nbytes, source))
     return covered
+
+
+def _add_spread(entry: Entry, source: str, wb: Block, owners: list[int], ways: int,
+                load: _Load, keep: int | None) -> None:
+    """A replicated block split by rows between its ``ways`` least-loaded holders (in rank
+    order), each piece read from that holder's own copy (``local``: its rows of the block)."""
+    itemsize = entry.dtype.itemsize
+    current = load.current()
+    chosen = sorted(sorted(owners, key=lambda r: (current[r], r))[:ways])
+    rows, extra = divmod(wb.shape[0], ways)
+    row_bytes = wb.numel // wb.shape[0] * itemsize
+    start = 0
+    for i, sender in enumerate(chosen):
+        n = rows + (i < extra)
+        load.add(sender, n * row_bytes)
+        if keep is None or sender == keep:
+            block = Block((wb.offset[0] + start, *wb.offset[1:]), (n, *wb.shape[1:]))
+            entry.pieces.append(Piece(sender, block, n * row_bytes, source,
+                                      (slice(start, start + n),)))
+        start += n
 
 
 def _distinct_blocks(key: str, holding: Holding, distinct: dict[int, list]) -> list:

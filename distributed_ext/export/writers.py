@@ -1,16 +1,17 @@
 """Who writes the checkpoint's files: dst alone, or every rank its own bytes.
 
-``writers="all"``: dst makes the stage and its files (headers written, sizes set); every rank
-opens them and writes the bytes of its own pieces at their final offsets, so that almost
-nothing crosses the link -- a rank's Shard(0) block of a row-major tensor is one run of the
-file. Replicated blocks are written once, by the holder the plan chose (the writing spread
-over the holders). Every 4 KiB block of a file has exactly one writer: a rank writes the
-whole aligned blocks inside its runs (direct where the filesystem takes it), and a block
-that two runs share -- where one rank's run ends and another's begins, or at a transport
-chunk's edge -- is written by dst, to which the rank sends its few bytes there (under 4 KiB
-at each end of a run: :func:`~distributed_ext.export.messages.edge_messages`). So no two
-ranks (nor two clients of a network filesystem) ever write one page. Every rank fsyncs what
-it wrote; dst publishes once all have.
+``writers="all"``: dst makes the stage and its files (headers written, sizes set); every
+rank opens them and writes the bytes of its own pieces at their final offsets, so that
+almost nothing crosses the link -- a rank's Shard(0) block of a row-major tensor is one run
+of the file. Replicated blocks are written once, split by rows between their holders (from 2
+MiB; :func:`~distributed_ext.export.pieces.plan_entries` with ``spread``), each from its own
+copy. Every 4 KiB block of a file has exactly one writer: a rank writes the whole aligned
+blocks inside its runs (direct where the filesystem takes it), and a block that two runs
+share -- where one rank's run ends and another's begins, or at a transport chunk's edge --
+is written by dst, to which the rank sends its few bytes there (under 4 KiB at each end of a
+run: :func:`~distributed_ext.export.messages.edge_messages`). So no two ranks (nor two
+clients of a network filesystem) ever write one page. Every rank fsyncs what it wrote; dst
+publishes once all have.
 
 Pieces of short runs (under ``SMALL_RUN``: small tensors, the rows of a ``Shard(1)``/TP
 layout) still go to dst, which assembles them into whole regions: every rank writing its own
