@@ -1647,3 +1647,45 @@ def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(tmp_pa
     assert min(v["all"] for v in values) >= 2 * 2**20 - 8192, values
     for a, b in itertools.combinations(range(4), 2):  # every 4 KiB block: one writer
         assert not values[a]["all blocks"] & values[b]["all blocks"], (a, b)
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_replicated_blocks_are_split_between_their_holders_only_where_every_rank_writes(
+        spread):
+    # One process, the planner alone: a 4 MiB plain tensor 3 ranks hold, a 4 MiB column
+    # block of a replicated TP shard (rows of 1 KiB: short), and 1 MiB held twice.
+    from distributed_ext.export import entries as export_entries
+    from distributed_ext.export import pieces as export_pieces
+
+    whole = E.Block((0, 0), (4096, 256))
+    column = E.Block((0, 0), (4096, 256))
+    small = E.Block((0, 0), (1024, 256))
+    holdings = {
+        "dense": export_pieces.Holding(
+            "dense", export_entries.Signature("float32", (4096, 256)),
+            [(r, whole) for r in range(3)]),
+        "tp": export_pieces.Holding(
+            "tp", export_entries.Signature("float32", (4096, 512)),
+            [(0, column), (1, column), (2, E.Block((0, 256), (4096, 256)))]),
+        "small": export_pieces.Holding(
+            "small", export_entries.Signature("float32", (1024, 256)),
+            [(1, small), (2, small)]),
+    }
+    entries = export_pieces.plan_entries(holdings, None, 0, [0, 1, 2], spread=spread)
+    got = {e.key: [(p.rank, p.block, p.local) for p in e.pieces] for e in entries}
+    if not spread:  # dst's own copy where it has one, else one holder
+        assert got["dense"] == [(0, whole, None)]
+        assert [r for r, _b, _l in got["tp"]] == [0, 2] and [r for r, *_ in got["small"]] in \
+            ([1], [2])
+        return
+    # Every holder writes a third of the plain tensor's rows, from its own copy ...
+    assert got["dense"] == [
+        (0, E.Block((0, 0), (1366, 256)), (slice(0, 1366),)),
+        (1, E.Block((1366, 0), (1365, 256)), (slice(1366, 2731),)),
+        (2, E.Block((2731, 0), (1365, 256)), (slice(2731, 4096),))]
+    # ... a column block is not split (its rows would be short runs, sent to dst), nor a
+    # block under 2 MiB: one holder writes each, the least loaded.
+    assert len(got["tp"]) == 2 and got["tp"][1][0] == 2 and got["tp"][0][2] is None
+    assert len(got["small"]) == 1 and got["small"][0][2] is None
+    for e in entries:  # the pieces tile each tensor
+        assert sum(p.nbytes for p in e.pieces) == e.nbytes

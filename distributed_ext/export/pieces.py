@@ -270,7 +270,7 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
     for wb, owners in groups_list:
         nbytes = wb.numel * itemsize
         ways = min(len(owners), nbytes // SPREAD_MIN, wb.shape[0] if wb.shape else 1)
-        if spread and ways > 1:
+        if spread and ways > 1 and _long_rows(wb, entry.shape, itemsize):
             _add_spread(entry, source, wb, owners, ways, load, keep)
             continue
         sender = _choose_sender(owners, dst_rank, load)
@@ -279,6 +279,15 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
         if keep is None or sender == keep:
             entry.pieces.append(Piece(sender, wb, nbytes, source))
     return covered
+
+
+def _long_rows(wb: Block, shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether a block's runs are long enough to be written where they are held (a row
+    range of a column block, e.g. of a replicated TP shard, would go to dst as short runs:
+    split, it would cross the link instead of being dst's own copy)."""
+    from distributed_ext.export import sinks  # (sinks imports this module)
+
+    return _piece_runs(wb, shape, itemsize).run >= sinks.SMALL_RUN
 
 
 def _add_spread(entry: Entry, source: str, wb: Block, owners: list[int], ways: int,
