@@ -39,7 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distributed_ext import _agree
-from distributed_ext.collectives import all_reduce, broadcast_from
+from distributed_ext.collectives import broadcast_from
 
 WRITERS = ("auto", "all", "dst")
 PROBE_NAME = ".dext-probe"
@@ -65,7 +65,8 @@ def _sees(stage: str, token: str) -> bool:
 def resolve_writers(writers: str, stage: str | None, ctx: _agree.GroupContext, dst_rank: int,
                     group: dist.ProcessGroup | None, what: str, directory: Any
                     ) -> tuple[str, str]:
-    """``("all" | "dst", dst's stage path)``, the same on every rank (two agreed rounds).
+    """``("all" | "dst", dst's stage path)``, the same on every rank (a broadcast of dst's
+    stage and probe token, then one status round of who sees it).
 
     ``stage``: dst's stage directory (None elsewhere). Raises ValueError on every rank when
     ``writers == "all"`` and some rank does not see it.
@@ -81,8 +82,9 @@ def resolve_writers(writers: str, stage: str | None, ctx: _agree.GroupContext, d
 
     where, token = broadcast_from(f"{what}: stage", probe, dst_global, group)
     try:
-        seen = all_reduce(f"{what}: who sees the directory", lambda: _sees(where, token),
-                          list, group)
+        # One status round: each rank's answer travels in its record's fields.
+        seen = [bool(s.fields[0]) for s in _agree.agree(
+            what, ctx, lambda: (int(_sees(where, token)),), stage="who sees the directory")]
     finally:
         if stage is not None:  # never published with the checkpoint
             with contextlib.suppress(OSError):
