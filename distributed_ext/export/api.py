@@ -274,20 +274,20 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     bytes (tied weights and ``_keys_to_ignore_on_save`` left out; transformers' own
     ``revert_weight_conversion`` applied, so a MoE whose experts are fused in memory is
     written one tensor per expert, in the hub's names), with ``config.json`` and
-    ``generation_config.json`` from its ``config``/``generation_config``. Each written tensor
-    is a set of blocks of in-memory tensors (renames, splits, selections, transposes), streamed
-    from where they live: no rank materializes a fused tensor. A conversion that is not such a
-    set of blocks (a cast, arithmetic) raises ValueError on every rank before any byte moves,
-    naming the key. A state dict is written with its own keys.
-    DTensors (FSDP2 ``fully_shard`` with uneven or empty shards, ``Shard(d)``, ``Replicate``,
-    2-D meshes) are assembled from their local shards; a plain tensor every rank holds is
-    written once from one rank (dst's own copy if it has one) and its copies never cross the
-    link; a key only some ranks hold comes from one that holds it (replicas spread over their
-    holders). A model that records a :class:`~distributed_ext.DistributionPlan` is checked
-    against it: the group must be the plan's world, and every plain tensor held by every rank
-    (the dense part under ``dense="replicate"``: written from dst's copy, none crosses the
-    link) or by an expert shard's ``edp`` replicas; anything else raises ValueError on every
-    rank before any byte moves.
+    ``generation_config.json`` from its ``config``/``generation_config``. Each written
+    tensor is a set of blocks of in-memory tensors (renames, splits, selections,
+    transposes), streamed from where they live: no rank materializes a fused tensor. A
+    conversion that is not such a set of blocks (a cast, arithmetic) raises ValueError on
+    every rank before any byte moves, naming the key. A state dict is written with its own
+    keys. DTensors (FSDP2 ``fully_shard`` with uneven or empty shards, ``Shard(d)``,
+    ``Replicate``, 2-D meshes) are assembled from their local shards; a plain tensor every
+    rank holds is written once and its copies never cross the link (dst's own copy with one
+    writer; split between its holders where every rank writes: see Writers); a key only some
+    ranks hold comes from one that holds it (replicas spread over their holders). A model
+    that records a :class:`~distributed_ext.DistributionPlan` is checked against it: the
+    group must be the plan's world, and every plain tensor held by every rank (the dense
+    part under ``dense="replicate"``: none of it crosses the link) or by an expert shard's
+    ``edp`` replicas; anything else raises ValueError on every rank before any byte moves.
 
     Output: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files of at most
     ``max_shard_size`` each plus ``model.safetensors.index.json``, readable by
@@ -298,9 +298,9 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     model's bytes never cross the link and the export runs at the speed of every rank's
     disk path; a replicated block (an HSDP shard, a plain tensor several ranks hold) is
     written once, split by rows between its holders (from 2 MiB: 1 MiB or more each), each
-    writing its rows from its own copy. Each 4 KiB block
-    of the files has one writer: a block two ranks' runs share is written by dst, to which
-    the other rank sends its bytes there (under 4 KiB at each end of a run). That needs a
+    writing its rows from its own copy. Each 4 KiB block of the files has one writer: a
+    block two ranks' runs share is written by dst, to which the other rank sends its bytes
+    there (under 4 KiB at each end of a run). That needs a
     directory every rank sees as dst does (a shared filesystem, or one machine): dst writes
     a probe with a random token into its stage and every rank reads it back. ``"dst"``: dst
     writes every byte (no shared filesystem needed). ``"auto"`` (default): ``"all"`` where
@@ -311,19 +311,19 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two
-    transport chunks per sender (``chunk_bytes``, default 16 MiB), two 8 MiB bounce buffers
-    for direct writes, three 1 MiB slots where its own small tensors are packed, up to 64 MiB
-    of 1 MiB file regions being assembled from short runs (small tensors, the rows of a
-    ``Shard(1)``/TP layout), and metadata (a few hundred bytes per tensor; a block's runs are
-    arithmetic, never a list); its large blocks are written from its own tensors. The files
-    bypass the page cache (``O_DIRECT``) where the filesystem allows -- short runs too, once
-    their region is whole -- so the checkpoint takes no kernel memory either, and is on the
-    disk when the call returns (elsewhere the page cache holds it until ``fsync``, before
-    publishing). A sender holds
-    its shards, three 1 MiB slots where its small pieces are packed, and at most one
-    contiguous copy of one piece at a time where a piece is not contiguous in its shard (a
-    transposed or column block), on the piece's own device. With ``writers="all"`` a
-    sender also holds, for the pieces it writes itself, three host slots (pinned for GPU
+    transport chunks per sender (``chunk_bytes``, default 16 MiB), an 8 MiB bounce buffer
+    for direct writes per writing thread (two; each with a helper thread that writes), three
+    1 MiB slots where its own small tensors are packed, up to 64 MiB of 1 MiB file regions
+    being assembled from short runs (small tensors, the rows of a ``Shard(1)``/TP layout),
+    and metadata (a few hundred bytes per tensor; a block's runs are arithmetic, never a
+    list); its large blocks are written from its own tensors. The files bypass the page
+    cache (``O_DIRECT``) where the filesystem allows -- short runs too, once their region is
+    whole -- so the checkpoint takes no kernel memory either, and is on the disk when the
+    call returns (elsewhere the page cache holds it until ``fsync``, before publishing). A
+    sender holds its shards, three 1 MiB slots where its small pieces are packed, and at
+    most one contiguous copy of one piece at a time where a piece is not contiguous in its
+    shard (a transposed or column block), on the piece's own device. With ``writers="all"``
+    a sender also holds, for the pieces it writes itself, three host slots (pinned for GPU
     bytes: one) and an 8 MiB bounce buffer for direct writes; dst as above.
 
     Cost: by bytes, not tensor count. Pieces under 1 MiB are packed into shared messages by
