@@ -1701,3 +1701,27 @@ def test_replicated_blocks_are_split_between_their_holders_only_where_every_rank
     assert len(got["small"]) == 1 and got["small"][0][2] is None
     for e in entries:  # the pieces tile each tensor
         assert sum(p.nbytes for p in e.pieces) == e.nbytes
+
+
+@pytest.mark.parametrize("base", [77, 4096 * 5])
+def test_a_writers_own_chunks_are_cut_where_the_file_is_aligned(base):
+    # A rank's block of 1 MiB + 5 in messages of 64 KiB: cut at the file's 4 KiB boundaries
+    # (the first message shorter), only the run's two ends share blocks with other runs.
+    from distributed_ext.export.messages import _rows, edge_messages
+
+    shape, block = (3000, 1000), E.Block((262, 0), (263, 1000))
+    piece = E.Piece(1, block, block.numel * 4)
+    entry = E.Entry("w", torch.float32, shape, [piece], index=0)
+    bases = torch.tensor([base])
+    messages = E.plan_messages([(entry, piece)], 64 * 2**10, bases)
+    rows = torch.cat([_rows(m) for m in messages]).tolist()
+    assert sum(r[3] for r in rows) == piece.nbytes and max(r[3] for r in rows) <= 64 * 2**10
+    start = base + 262 * 4000
+    assert [(base + r[1]) % 4096 for r in rows[1:]] == [0] * (len(rows) - 1)  # aligned cuts
+    edges = [s for m in edge_messages(messages, bases, 4096, 2**20) for s in m]
+    expected = [(-start) % 4096, (start + piece.nbytes) % 4096]
+    assert [s[3] for s in edges] == [n for n in expected if n]
+    # Cut every 64 KiB regardless of the file: a shared block at each cut too
+    unaligned = E.plan_messages([(entry, piece)], 64 * 2**10)
+    more = [s for m in edge_messages(unaligned, bases, 4096, 2**20) for s in m]
+    assert base % 4096 == 0 or len(more) > len(edges) + 10

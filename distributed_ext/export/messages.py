@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from distributed_ext._direct_io import ALIGN
 from distributed_ext.export.pieces import Entry, Piece
 
 # The most small pieces one message packs (less than a chunk: the stages then overlap).
@@ -53,7 +54,8 @@ def _placement(sink: Any, message: list[Segment]) -> int:
 Segment = tuple[Entry, Piece, int, int]
 
 
-def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int) -> list[list[Segment]]:
+def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int,
+                  bases: torch.Tensor | None = None) -> list[list[Segment]]:
     """How one rank's pieces travel, computed alike by a sender and dst (and by dst for its
     own pieces on their way to the files).
 
@@ -61,19 +63,34 @@ def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int) -> list[list
     its own memory); smaller pieces are packed back to back into messages of up to
     ``PACK_BYTES`` (1 MiB), so that a model of 100k small tensors costs a few messages, not
     100k, and dst writes one while the sender packs the next.
+
+    ``bases`` (per entry index, the file offset of its data; for the pieces a rank writes
+    itself): a one-run piece is cut where the file is aligned (``ALIGN``), its first message
+    shorter, so that no block is shared between two of its messages (:func:`edge_messages`).
     """
-    return _plan(items, chunk, None)[0]
+    return _plan(items, chunk, None, bases)[0]
 
 
-def plan_streams(items: Iterable[tuple[Entry, Piece]], chunk: int,
-                 world: int) -> list[list[list[Segment]]]:
+def plan_streams(items: Iterable[tuple[Entry, Piece]], chunk: int, world: int,
+                 bases: torch.Tensor | None = None) -> list[list[list[Segment]]]:
     """Every rank's messages (:func:`plan_messages` of its pieces), from all ranks' pieces in
     plan order, in one pass: dst plans every sender's stream. A list per group rank."""
-    return _plan(items, chunk, world)
+    return _plan(items, chunk, world, bases)
 
 
-def _plan(items: Iterable[tuple[Entry, Piece]], chunk: int,
-          world: int | None) -> list[list[list[Segment]]]:
+def _cuts(e: Entry, p: Piece, chunk: int, bases: torch.Tensor | None) -> list[int]:
+    """Where a piece of at least ``chunk`` bytes is cut into messages (their starts): every
+    ``chunk`` bytes, or -- ``bases`` given, one run, ``chunk`` a multiple of ``ALIGN`` -- at
+    the file's aligned bytes, the first message shorter."""
+    first = chunk
+    runs = p.runs(e)
+    if bases is not None and not runs.counts and chunk % ALIGN == 0:
+        first = -(int(bases[e.index]) + runs.base) % ALIGN or chunk
+    return [0, *range(first, p.nbytes, chunk)]
+
+
+def _plan(items: Iterable[tuple[Entry, Piece]], chunk: int, world: int | None,
+          bases: torch.Tensor | None = None) -> list[list[list[Segment]]]:
     """The streams of :func:`plan_streams` (``world`` None: one, of all ``items``)."""
     # Per rank: [its messages, the message being packed, its bytes so far]
     streams: list[list[Any]] = [[[], [], 0] for _ in range(world or 1)]
@@ -85,7 +102,8 @@ def _plan(items: Iterable[tuple[Entry, Piece]], chunk: int,
             continue
         stream = streams[p.rank if world else 0]
         if n >= chunk:
-            stream[0].extend([(e, p, s, min(chunk, n - s))] for s in range(0, n, chunk))
+            cuts = [*_cuts(e, p, chunk, bases), n]
+            stream[0].extend([(e, p, a, b - a)] for a, b in zip(cuts, cuts[1:]))
             continue
         packed = stream[1]
         if packed and stream[2] + n > cap:

@@ -136,13 +136,13 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
                 (to_dst if _short(e, p) else written).append((e, p))
         if me == dst_rank:  # each sender's stream: its short pieces, then its long ones' edges
             streams = plan_streams(to_dst, chunk, world)
-            for r, held in enumerate(plan_streams(written, chunk, world)):
+            for r, held in enumerate(plan_streams(written, chunk, world, bases)):
                 if held:
                     assert bases is not None, "writers='all' needs the files' layout"
                     streams[r] = streams[r] + edge_messages(held, bases, _direct_io.ALIGN, cap)
         else:
             streams = [[] for _ in range(world)]
-            local_messages = plan_messages(written, chunk)
+            local_messages = plan_messages(written, chunk, bases)
             streams[me] = plan_messages(to_dst, chunk)
             if local_messages:
                 assert bases is not None, "writers='all' needs the files' layout"
