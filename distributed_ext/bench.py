@@ -591,16 +591,23 @@ def _write_direct(path: str, nbytes: int) -> None:
     """``nbytes`` written as ours writes a checkpoint: O_DIRECT where the disk takes it."""
     from distributed_ext import _direct_io
 
-    block = _direct_io.aligned_empty(16 * 2**20).fill_(1)
     file = _direct_io.DirectFile(path, nbytes)
     try:
-        for start in range(0, nbytes, block.numel()):
-            file.write(start, block[: min(block.numel(), nbytes - start)])
-        file.sync()
+        _fill_range(file, 0, nbytes)
     finally:
         file.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _fill_range(file: Any, start: int, end: int) -> None:
+    """Bytes ``[start, end)`` of a ``DirectFile`` written in 16 MiB pieces, then fsynced."""
+    from distributed_ext import _direct_io
+
+    block = _direct_io.aligned_empty(16 * 2**20).fill_(1)
+    for at in range(start, end, block.numel()):
+        file.write(at, block[: min(block.numel(), end - at)])
+    file.sync()
 
 
 def _write_shares(path: str, nbytes: int, rank: int, world: int, dst: int) -> None:
@@ -614,13 +621,9 @@ def _write_shares(path: str, nbytes: int, rank: int, world: int, dst: int) -> No
         _direct_io.DirectFile(path, nbytes).close()
     dist.barrier()
     share = -(-nbytes // world // _direct_io.ALIGN) * _direct_io.ALIGN
-    start, end = min(nbytes, rank * share), min(nbytes, (rank + 1) * share)
-    block = _direct_io.aligned_empty(16 * 2**20).fill_(1)
     file = _direct_io.DirectFile(path, nbytes, create=False)
     try:
-        for at in range(start, end, block.numel()):
-            file.write(at, block[: min(block.numel(), end - at)])
-        file.sync()
+        _fill_range(file, min(nbytes, rank * share), min(nbytes, (rank + 1) * share))
     finally:
         file.close()
         dist.barrier()
