@@ -67,8 +67,10 @@ class FileSink:
         bytes into (``writers="all"``); it neither creates, nor publishes, nor removes them."""
         # The configs: serialized by dst, which writes them (a joined writer never does).
         self.texts = _config_texts(model) if join is None else {}
-        # A joined writer writes only the aligned blocks inside its runs (see write_batch).
+        # A joined writer writes only the aligned blocks inside its runs (see write_batch),
+        # and makes durable only the files it wrote to.
         self.joined = join is not None
+        self._written: set[_direct_io.DirectFile] = set()
         self.stage = Stage(directory) if join is None else None
         where = self.stage.path if self.stage is not None else join
         n = len(files)
@@ -178,6 +180,7 @@ class FileSink:
         for i in (hi > lo).nonzero().flatten().tolist():
             file, a, b = self.files[int(fid[i])], int(lo[i]), int(hi[i])
             start = int(at[i])
+            self._written.add(file)
             with self._opened(file):
                 file.write(int(offset[i]) + a, data[start + a : start + b])
 
@@ -311,11 +314,13 @@ class FileSink:
             self.stage.abort()
 
     def finish(self) -> None:
-        """Writes what regions still hold and makes this rank's bytes durable."""
+        """Writes what regions still hold and makes this rank's bytes durable (dst: every
+        file, each holds its header; a joined writer: those it wrote to)."""
         self._flush_regions()
         self.close()
         for file in self.files:
-            _fsync_path(file.path)
+            if not self.joined or file in self._written:
+                _fsync_path(file.path)
 
     def commit(self) -> None:
         """Makes the stage durable and publishes it (see the class docstring); dst only,
