@@ -64,7 +64,6 @@ from distributed_ext.export.sinks import FileSink, MemorySink
 from distributed_ext.export.transfer import (
     EXPORT_CHUNK_BYTES,
     _prepare_transfer,
-    _short,
     _transfer,
     _write_own,
 )
@@ -214,23 +213,23 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                     writers, None if parts["sink"] is None else parts["sink"].stage.path, ctx,
                     dst_rank, group, what, dict(extra_args).get("directory"))
             except BaseException:
-                if parts["sink"] is not None:
-                    parts["sink"].abort()
+                release()
                 raise
+
+            def joined_bases() -> torch.Tensor:
+                """The files' layout; a sender opens them (joins dst's stage) only here, when
+                it has long pieces to write (one with only short pieces sends them all)."""
+                if parts["sink"] is None:
+                    parts["sink"] = make_sink(entries, model, stage)
+                return parts["sink"].bases
 
             def join() -> None:
                 nonlocal entries
-                me = ctx.rank
                 if mode == "dst":  # (auto, where some rank does not see the files)
                     entries = plan(described, model, dst_rank, ctx.ranks, keep)
-                if mode == "all" and me != dst_rank and any(
-                        p.rank == me and not _short(e, p) for e in entries for p in e.pieces):
-                    # (a rank with only short pieces sends them all: no files to open)
-                    parts["sink"] = make_sink(entries, model, stage)
-                sink = parts["sink"]
                 parts["prepared"] = _prepare_transfer(
                     state, entries, ctx, dst_rank, chunk, local=mode == "all",
-                    bases=None if sink is None else sink.bases)
+                    bases=joined_bases)
 
             agreed("preparing the writers", join)
         sink, prepared = parts["sink"], parts["prepared"]

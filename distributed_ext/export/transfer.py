@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +100,7 @@ def _short(e: Entry, p: Any) -> bool:
 def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
                       ctx: _agree.GroupContext | None, dst_rank: int,
                       chunk: int, local: bool = False,
-                      bases: torch.Tensor | None = None) -> _Prepared:
+                      bases: Callable[[], torch.Tensor] | None = None) -> _Prepared:
     """Plans this rank's messages and allocates every buffer the transfer needs (raising
     here, in the round that agrees the ranks are ready, rather than mid-stream): dst two
     receive chunks per sender and its own pieces' slots, a sender its staging slots.
@@ -109,9 +110,10 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     runs it holds itself (a sender's :attr:`_Prepared.local_messages`, through
     :meth:`_Prepared.start_local`);
     what travels to dst is the pieces of short runs (:func:`_short`) and the edges of the
-    long ones -- the bytes of blocks they share with other runs (:func:`edge_messages`,
-    ``bases``: each entry's file offset) -- so dst writes every block that more than one
-    run touches, and each block of the files has exactly one writer."""
+    long ones -- the bytes of blocks they share with other runs (:func:`edge_messages`;
+    ``bases()``: each entry's file offset, asked only where there are long pieces) -- so dst
+    writes every block that more than one run touches, and each block of the files has
+    exactly one writer."""
     me = 0 if ctx is None else ctx.rank
     link = torch.device("cpu") if ctx is None else ctx.device
     on_device = link.type == "cuda"  # NCCL: what crosses the link is device memory
@@ -134,19 +136,21 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
                 (to_dst if p.rank == me or _short(e, p) else written).append((e, p))
             elif p.rank == me:
                 (to_dst if _short(e, p) else written).append((e, p))
+        assert bases is not None, "writers='all' needs the files' layout"
+        offsets = bases() if written else None
         if me == dst_rank:  # each sender's stream: its short pieces, then its long ones' edges
             streams = plan_streams(to_dst, chunk, world)
-            for r, held in enumerate(plan_streams(written, chunk, world, bases)):
+            for r, held in enumerate(plan_streams(written, chunk, world, offsets)):
                 if held:
-                    assert bases is not None, "writers='all' needs the files' layout"
-                    streams[r] = streams[r] + edge_messages(held, bases, _direct_io.ALIGN, cap)
+                    assert offsets is not None
+                    streams[r] = streams[r] + edge_messages(held, offsets, _direct_io.ALIGN, cap)
         else:
             streams = [[] for _ in range(world)]
-            local_messages = plan_messages(written, chunk, bases)
+            local_messages = plan_messages(written, chunk, offsets)
             streams[me] = plan_messages(to_dst, chunk)
             if local_messages:
-                assert bases is not None, "writers='all' needs the files' layout"
-                streams[me] += edge_messages(local_messages, bases, _direct_io.ALIGN, cap)
+                assert offsets is not None
+                streams[me] += edge_messages(local_messages, offsets, _direct_io.ALIGN, cap)
     messages = streams[me]
     gpu_shards = _needs_pinned(state, messages)  # any of this rank's pieces on a GPU
     pinned = None
