@@ -294,19 +294,19 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
 
     Writers: with ``writers="all"`` every rank writes the bytes of its own pieces into the
     files at their final offsets (dst makes the files and publishes them), so an FSDP2
-    model's bytes never cross the link and the export runs at the speed of every rank's
-    disk path; a replicated block (an HSDP shard, a plain tensor several ranks hold) is
-    written once, split by rows between its holders (from 2 MiB: 1 MiB or more each), each
-    writing its rows from its own copy. Each 4 KiB block of the files has one writer: a
-    block two ranks' runs share is written by dst, to which the other rank sends its bytes
-    there (under 4 KiB at each end of a run). That needs a
-    directory every rank sees as dst does (a shared filesystem, or one machine): dst writes
-    a probe with a random token into its stage and every rank reads it back. ``"dst"``: dst
-    writes every byte (no shared filesystem needed). ``"auto"`` (default): ``"all"`` where
-    every rank sees the directory (one host's local disk included), else ``"dst"``;
-    ``"all"`` where some rank does not see it is a ValueError on every rank naming those
-    ranks. Pieces of short runs (small tensors, ``Shard(1)`` rows) go to dst either way,
-    which assembles them into whole regions. Same files, byte for byte, either way.
+    model's bytes never cross the link and the export runs at the speed of every rank's disk
+    path; a replicated block (an HSDP shard, a plain tensor several ranks hold) is written
+    once, split by rows between its holders (from 2 MiB: 1 MiB or more each), each writing
+    its rows from its own copy. Each 4 KiB block of the files has one writer: a block two
+    ranks' runs share is written by dst, to which the other rank sends its bytes there
+    (under 4 KiB at each end of a run). That needs a directory every rank sees as dst does
+    (a shared filesystem, or one machine): dst writes a probe with a random token into its
+    stage and every rank reads it back. ``"dst"``: dst writes every byte (no shared
+    filesystem needed). ``"auto"`` (default): ``"all"`` where every rank sees the directory
+    (one host's local disk included), else ``"dst"``; ``"all"`` where some rank does not see
+    it is a ValueError on every rank naming those ranks. Pieces of short runs (small
+    tensors, ``Shard(1)`` rows) go to dst either way, which assembles them into whole
+    regions. Same files, byte for byte, either way.
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two
