@@ -689,16 +689,17 @@ def _export_killed_mid_transfer(out, victim, death_file, writers):
 
     if r == victim:
         calls = []
-        if victim == 0:  # dst: while writing what arrives
-            real_write = E.FileSink.write_batch
+        if victim == 0:  # dst: while writing (what arrives, or its own long runs)
+            def dying(real):
+                def write(self, data, rows):
+                    calls.append(1)
+                    if len(calls) == 20:
+                        die()
+                    real(self, data, rows)
+                return write
 
-            def write(self, data, rows):
-                calls.append(1)
-                if len(calls) == 20:
-                    die()
-                real_write(self, data, rows)
-
-            E.FileSink.write_batch = write
+            E.FileSink.write_batch = dying(E.FileSink.write_batch)
+            E.FileSink.write_middles = dying(E.FileSink.write_middles)
         else:  # a sender: on its third shard
             real_local = export_stager._piece_tensor
 

@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from distributed_ext import _agree, _watch, runtime
 from distributed_ext.collectives import _require_group_if_launched, all_reduce
+from distributed_ext.export import edges as _edges
 from distributed_ext.export import keys as _keys
 from distributed_ext.export.entries import (
     Described,
@@ -57,6 +58,7 @@ from distributed_ext.export.entries import (
     resolve_described,
     resolve_state,
 )
+from distributed_ext.export.messages import PACK_BYTES
 from distributed_ext.export.pieces import Entry, agree_plan, check_keys, merge_holdings, plan_entries
 from distributed_ext.export.publish import _commit_round
 from distributed_ext.export.safetensors import _DTYPE_BY_NAME, layout_files, parse_shard_size
@@ -216,12 +218,12 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 release()
                 raise
 
-            def joined_bases() -> torch.Tensor:
-                """The files' layout; a sender opens them (joins dst's stage) only here, when
-                it has long pieces to write (one with only short pieces sends them all)."""
+            def joined_layout() -> FileSink:
+                """The files; a sender opens them (joins dst's stage) only here, when it has
+                long pieces to write (one with only short pieces sends them all)."""
                 if parts["sink"] is None:
                     parts["sink"] = make_sink(entries, model, stage)
-                return parts["sink"].bases
+                return parts["sink"]
 
             def join() -> None:
                 nonlocal entries
@@ -229,30 +231,53 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                     entries = plan(described, model, dst_rank, ctx.ranks, keep)
                 parts["prepared"] = _prepare_transfer(
                     state, entries, ctx, dst_rank, chunk, local=mode == "all",
-                    bases=joined_bases)
+                    layout=joined_layout)
 
             agreed("preparing the writers", join)
+
+            def prepare_edges() -> None:
+                """dst tells each rank who writes the blocks its runs share (:mod:`.edges`);
+                each checks what it got and allocates the exchange's buffers."""
+                plan = parts["prepared"].edges
+                nbytes = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
+                _edges.deliver(plan, ctx, dst_rank, parts["sink"], nbytes, what)
+                if plan is not None and plan.dests is not None:
+                    _edges.prepare(plan, state, ctx.rank, ctx.device, min(chunk, PACK_BYTES))
+
+            if mode == "all":
+                agreed("preparing the shared blocks", prepare_edges)
         sink, prepared = parts["sink"], parts["prepared"]
         assert prepared is not None
         failure: BaseException | None = None
         try:
-            # writers="all": the short pieces still stream to dst; then each sender writes
-            # the rest of its own pieces itself and makes them durable.
+            # writers="all": the short pieces still stream to dst; then each rank writes
+            # the rest of its own pieces itself, the blocks their runs share go to their
+            # owners, and each rank makes what it wrote durable.
             try:
                 _transfer(state, prepared, sink, ctx, dst_rank, what)
                 if prepared.local_messages:
                     _write_own(prepared.start_local(state, chunk), sink,
-                               prepared.local_messages)
+                               prepared.local_messages, middles=True)
+            except _watch.PeerFailure:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - this rank's (a full disk): agreed
+                failure = exc
             finally:
                 prepared.release_local()
-            if ctx.rank != dst_rank and sink is not None:
+            edge_plan = prepared.edges
+            # Its peers wait on this rank's fragments: it takes part whatever failed here
+            # (writing nothing then), unless the group is gone (a rank found dead).
+            if edge_plan is not None and edge_plan.stager is not None and \
+                    _watch.posted_failure() is None:
+                _edges.exchange(edge_plan, sink if failure is None else None, ctx, what)
+            if failure is None and ctx.rank != dst_rank and sink is not None:
                 sink.finish()
         except _watch.PeerFailure as exc:
             if sink is not None:
                 sink.abort()
             raise _agree.peer_failure_error(what, exc) from exc.cause
         except BaseException as exc:  # noqa: BLE001 - a full disk on dst: agreed below
-            failure = exc
+            failure = failure or exc
         _agree.agree(what, ctx, failure=failure or deferred.take(), stage="transfer",
                      cleanup=None if sink is None else sink.abort)
         if ctx.rank != dst_rank:

@@ -130,40 +130,52 @@ def aligned_middle(offset: int, n: int, align: int) -> tuple[int, int]:
     return lo, max(lo, n - (offset + n) % align)
 
 
-def edge_messages(messages: list[list[Segment]], bases: torch.Tensor, align: int,
-                  cap: int) -> list[list[Segment]]:
-    """The edges of a writer's own runs, as messages of up to ``cap`` bytes to the rank
-    that writes the blocks they share (``writers="all"``), computed alike by the writer and
-    that rank.
+def edge_segments(messages: list[list[Segment]], bases: torch.Tensor,
+                  align: int) -> list[Segment]:
+    """The edges of a writer's own runs: the bytes of the blocks they share with other runs,
+    computed alike by the writer and dst (``writers="all"``).
 
     A writer writes the whole aligned blocks inside each run of its ``messages`` (the rows
     of :func:`_rows`, one per run and message); a block that a run covers only in part is
     shared with other runs -- another rank's, or this rank's next message -- so its bytes
-    go to one rank, which writes the block whole: every block of a file has one writer.
-    Returns the segments ``(entry, piece, start, nbytes)`` of those partial blocks (under
-    ``align`` bytes each, at most two per run), packed back to back. ``bases``: per entry
-    index, the file offset of its data."""
-    out: list[list[Segment]] = []
-    packed: list[Segment] = []
-    size = 0
-
-    def add(e: Entry, p: Piece, start: int, n: int) -> None:
-        nonlocal packed, size
-        if size + n > cap:
-            out.append(packed)
-            packed, size = [], 0
-        packed.append((e, p, start, n))
-        size += n
-
+    go to one rank, the block's owner (:mod:`.owners`), which writes the block: every block
+    of a file has one writer. Returns the segments ``(entry, piece, start, nbytes)`` of those
+    partial blocks, in order: under ``align`` bytes each, each inside one block and one run,
+    at most two per run. ``bases``: per entry index, the file offset of its data."""
+    out: list[Segment] = []
     for message in messages:
         for e, p, s, m in message:
             base = int(bases[e.index])
             for offset, at, k in p.runs(e).pieces(s, m):
                 lo, hi = aligned_middle(base + offset, k, align)
                 if lo:
-                    add(e, p, s + at, lo)
+                    out.append((e, p, s + at, lo))
                 if hi < k:
-                    add(e, p, s + at + hi, k - hi)
-    if packed:
-        out.append(packed)
+                    out.append((e, p, s + at + hi, k - hi))
     return out
+
+
+def pack_bounds(sizes: Iterable[int], cap: int) -> list[int]:
+    """Where a sequence of segments of ``sizes`` bytes is cut into messages of up to ``cap``
+    bytes, packed back to back in order (a segment over ``cap`` goes alone): the start index
+    of each message. Computed alike from the sizes alone by a sender and its receiver."""
+    starts: list[int] = []
+    size = 0
+    for i, n in enumerate(sizes):
+        if not starts or size + n > cap:
+            starts.append(i)
+            size = 0
+        size += n
+    return starts
+
+
+def pack(segments: list[Segment], cap: int) -> list[list[Segment]]:
+    """``segments`` as messages of up to ``cap`` bytes (:func:`pack_bounds`)."""
+    starts = pack_bounds((s[3] for s in segments), cap)
+    return [segments[a:b] for a, b in zip(starts, [*starts[1:], len(segments)])]
+
+
+def edge_messages(messages: list[list[Segment]], bases: torch.Tensor, align: int,
+                  cap: int) -> list[list[Segment]]:
+    """The :func:`edge_segments` of ``messages``, packed into messages of up to ``cap``."""
+    return pack(edge_segments(messages, bases, align), cap)

@@ -147,9 +147,7 @@ class FileSink:
         offset = self._base_of[idx] + rows[:, ROW_OFFSET]
         fid = self._file_of[idx]
         at, n = rows[:, ROW_AT], rows[:, ROW_NBYTES]
-        if self.joined:
-            self._write_middles(data, fid, offset, at, n)
-            return
+        assert not self.joined, "a joined writer writes middles and edges only"
         small = n < SMALL_RUN
         if not bool(small.all()):
             for i in (~small).nonzero().flatten().tolist():
@@ -168,12 +166,41 @@ class FileSink:
             mine = fid == number
             self._assemble(self.files[number], src[mine], offset[mine], n[mine])
 
+    def write_middles(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes only the whole aligned blocks inside each row (a :func:`_rows` table) of
+        a rank's own long runs (``writers="all"``); the partial blocks at their ends are
+        written by their owners (:meth:`write_edges`)."""
+        if not len(rows):
+            return
+        idx = rows[:, ROW_ENTRY]
+        self._write_middles(data, self._file_of[idx], self._base_of[idx] + rows[:, ROW_OFFSET],
+                            rows[:, ROW_AT], rows[:, ROW_NBYTES])
+
+    def write_edges(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes fragments of the shared blocks this rank owns (rows of under a block
+        each): dst assembles them with its short runs (:meth:`write_batch`); a joined
+        writer writes them through the page cache, one native call per file."""
+        if not self.joined:
+            self.write_batch(data, rows)
+            return
+        if not len(rows):
+            return
+        idx = rows[:, ROW_ENTRY]
+        fid = self._file_of[idx]
+        table = torch.stack((rows[:, ROW_AT] + data.data_ptr(),
+                             self._base_of[idx] + rows[:, ROW_OFFSET], rows[:, ROW_NBYTES]), 1)
+        for number in torch.unique(fid).tolist():
+            file = self.files[number]
+            self._written.add(file)
+            with self._opened(file):  # data is held by the caller until this returns
+                file.write_segments(table[fid == number])
+
     def _write_middles(self, data: torch.Tensor, fid: torch.Tensor, offset: torch.Tensor,
                        at: torch.Tensor, n: torch.Tensor) -> None:
-        """A joined writer's rows: only the whole aligned blocks of each (direct where the
-        filesystem takes it); the partial blocks at a row's ends are another writer's
-        (dst's, which gets their bytes: :func:`~distributed_ext.export.messages.edge_messages`,
-        whose :func:`aligned_middle` this computes per row)."""
+        """The whole aligned blocks of each row (direct where the filesystem takes it); the
+        partial blocks at a row's ends are their owners' (who get their bytes:
+        :func:`~distributed_ext.export.messages.edge_segments`, whose
+        :func:`aligned_middle` this computes per row)."""
         align = _direct_io.ALIGN
         lo = torch.minimum(n, torch.remainder(-offset, align))
         hi = torch.maximum(lo, n - torch.remainder(offset + n, align))
@@ -188,6 +215,16 @@ class FileSink:
     def bases(self) -> torch.Tensor:
         """Per entry index, the file offset of its data (int64)."""
         return self._base_of
+
+    @property
+    def file_of(self) -> torch.Tensor:
+        """Per entry index, the number of its file (int64)."""
+        return self._file_of
+
+    @property
+    def sizes(self) -> list[int]:
+        """Per file number, its size in bytes."""
+        return [f.size for f in self.files]
 
     def _assemble(self, file: _direct_io.DirectFile, src: torch.Tensor, offset: torch.Tensor,
                   n: torch.Tensor) -> None:

@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 from distributed_ext import _agree, _direct_io, _watch
+from distributed_ext.export import edges as _edges
 from distributed_ext.export import sinks
 from distributed_ext.export.messages import (
-    PACK_BYTES,
     Segment,
     _message_nbytes,
     _placement,
     _rows,
-    edge_messages,
+    edge_segments,
     plan_messages,
     plan_streams,
 )
@@ -31,15 +31,19 @@ from distributed_ext.export.stager import _needs_pinned, _PinnedSlots, _Stager
 EXPORT_CHUNK_BYTES = 16 * 2**20
 
 
-def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]]) -> None:
+def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
+               middles: bool = False) -> None:
     """Writes this rank's own pieces to the sink, message by message (:func:`plan_messages`):
     small pieces packed, so the files see one batch of runs per chunk, not one call per
-    tensor; GPU bytes through the stager's pinned slot (never a whole block on the host)."""
+    tensor; GPU bytes through the stager's pinned slot (never a whole block on the host).
+    ``middles`` (``writers="all"``, its long pieces): only the whole aligned blocks inside
+    each run; their ends are written by the blocks' owners (:mod:`.edges`)."""
+    write = sink.write_middles if middles else sink.write_batch
     for message in messages:
         data, _keep = stager.stage(message, 0, _placement(sink, message))
         if stager.failure is not None:
             raise stager.failure
-        sink.write_batch(data, _rows(message))
+        write(data, _rows(message))
 
 
 # Buffers of transfers that were posted when a peer failed: the transport may still read or
@@ -61,6 +65,8 @@ class _Prepared:
     # writers="all", a sender: the pieces it writes itself (their stager: start_local())
     local_messages: list[list[Segment]] = field(default_factory=list)
     local_pinned: _PinnedSlots | None = None
+    # writers="all": the fragments of shared blocks, and who writes them (:mod:`.edges`)
+    edges: _edges.EdgePlan | None = None
 
     def release(self) -> None:
         """Returns the transfer's pinned slots (never while a transport may read them)."""
@@ -100,28 +106,29 @@ def _short(e: Entry, p: Any) -> bool:
 def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
                       ctx: _agree.GroupContext | None, dst_rank: int,
                       chunk: int, local: bool = False,
-                      bases: Callable[[], torch.Tensor] | None = None) -> _Prepared:
+                      layout: Callable[[], Any] | None = None) -> _Prepared:
     """Plans this rank's messages and allocates every buffer the transfer needs (raising
     here, in the round that agrees the ranks are ready, rather than mid-stream): dst two
     receive chunks per sender and its own pieces' slots, a sender its staging slots.
     ``ctx`` None: one process, no link.
 
-    ``local`` (``writers="all"``): every rank writes the whole aligned blocks of the long
-    runs it holds itself (a sender's :attr:`_Prepared.local_messages`, through
-    :meth:`_Prepared.start_local`);
-    what travels to dst is the pieces of short runs (:func:`_short`) and the edges of the
-    long ones -- the bytes of blocks they share with other runs (:func:`edge_messages`;
-    ``bases()``: each entry's file offset, asked only where there are long pieces) -- so dst
-    writes every block that more than one run touches, and each block of the files has
-    exactly one writer."""
+    ``local`` (``writers="all"``): every rank, dst included, writes the whole aligned
+    blocks of the long runs it holds itself (:attr:`_Prepared.local_messages`, through
+    :meth:`_Prepared.start_local`); what travels to dst is the pieces of short runs
+    (:func:`_short`), which it assembles into regions. The bytes of blocks that runs share
+    (their fragments: :func:`edge_segments`) go to each block's owner, the holder of most
+    of its bytes (:attr:`_Prepared.edges`; planned by dst, which sees every rank's pieces:
+    :mod:`.edges`), so that each block of the files has exactly one writer. ``layout()``:
+    the files (a sink: each entry's file and offset), asked only where there are long
+    pieces."""
     me = 0 if ctx is None else ctx.rank
     link = torch.device("cpu") if ctx is None else ctx.device
     on_device = link.type == "cuda"  # NCCL: what crosses the link is device memory
     world = 1 if ctx is None else ctx.size
-    cap = min(chunk, PACK_BYTES)  # edge messages are packed: the stager's slot size
     # Every rank's messages on dst (it receives them all); a sender's own only.
     pairs = ((e, p) for e in entries for p in e.pieces)
     local_messages: list[list[Segment]] = []
+    edge_plan = None
     if not local:
         if me == dst_rank:
             streams = plan_streams(pairs, chunk, world)
@@ -129,28 +136,29 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             streams = [[] for _ in range(world)]
             streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
     else:
-        to_dst: list[tuple[Entry, Any]] = []  # dst's own pieces, and the others' short ones
-        written: list[tuple[Entry, Any]] = []  # the others' long ones, written where held
+        to_dst: list[tuple[Entry, Any]] = []  # short pieces, dst's own included
+        written: list[tuple[Entry, Any]] = []  # long ones, written where they are held
         for e, p in pairs:
-            if me == dst_rank:  # dst plans every rank's pieces and writes its own whole
-                (to_dst if p.rank == me or _short(e, p) else written).append((e, p))
-            elif p.rank == me:
+            if me == dst_rank or p.rank == me:  # dst plans every rank's pieces
                 (to_dst if _short(e, p) else written).append((e, p))
-        assert bases is not None, "writers='all' needs the files' layout"
-        offsets = bases() if written else None
-        if me == dst_rank:  # each sender's stream: its short pieces, then its long ones' edges
+        assert layout is not None, "writers='all' needs the files' layout"
+        files = layout() if written else None
+        offsets = None if files is None else files.bases
+        if me == dst_rank:  # each sender's stream: its short pieces
             streams = plan_streams(to_dst, chunk, world)
-            for r, held in enumerate(plan_streams(written, chunk, world, offsets)):
-                if held:
-                    assert offsets is not None
-                    streams[r] = streams[r] + edge_messages(held, offsets, _direct_io.ALIGN, cap)
+            held = plan_streams(written, chunk, world, offsets)
+            local_messages = held[me]
+            fragments = [edge_segments(h, offsets, _direct_io.ALIGN) if h else [] for h in held]
+            if any(fragments):
+                edge_plan = _edges.plan_on_dst(fragments, files, dst_rank)
         else:
             streams = [[] for _ in range(world)]
             local_messages = plan_messages(written, chunk, offsets)
             streams[me] = plan_messages(to_dst, chunk)
-            if local_messages:
-                assert offsets is not None
-                streams[me] += edge_messages(local_messages, offsets, _direct_io.ALIGN, cap)
+            mine = edge_segments(local_messages, offsets, _direct_io.ALIGN) \
+                if local_messages else []
+            if mine:
+                edge_plan = _edges.EdgePlan(mine, _edges.fragment_table(mine))
     messages = streams[me]
     gpu_shards = _needs_pinned(state, messages)  # any of this rank's pieces on a GPU
     pinned = None
@@ -163,6 +171,7 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             stager.reserve(messages)
             prepared = _Prepared(messages, stager, pinned, gpu_shards)
             prepared.local_messages = local_messages  # written here: start_local()
+            prepared.edges = edge_plan
             return prepared
         # Pinned slots: 0 for the own-pieces thread (GPU shards), 1 for received device chunks.
         if gpu_shards or on_device:
@@ -170,6 +179,7 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         stager = _Stager(state, chunk, torch.device("cpu"), pinned)
         stager.reserve(messages)
         prepared = _Prepared(messages, stager, pinned, gpu_shards)
+        prepared.local_messages, prepared.edges = local_messages, edge_plan
         for r, planned in enumerate(streams):
             if r == me or not planned:
                 continue

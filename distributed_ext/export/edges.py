@@ -1,0 +1,239 @@
+"""The shared blocks of the files (``writers="all"``): each written by its owner.
+
+After every rank has written the whole blocks inside its own long runs, what is left are
+their *fragments*, the bytes of blocks two runs share (:func:`.messages.edge_segments`).
+dst, which plans every rank's pieces, decides who owns each such block -- the holder of most
+of its bytes (:mod:`.owners`) -- and tells each rank with fragments, in the preparing round
+(:func:`deliver`), where each of them goes and which fragments it receives. Then
+(:func:`exchange`) every rank sends its fragments to their owners and writes the blocks it
+owns: its own fragments there and those it receives. Every block of a file has one writer.
+
+The exchange runs in rounds: in round ``k`` each rank posts its ``k``-th message to each
+owner it sends to and its ``k``-th receive from each rank that sends to it, then waits for
+them all. Every rank knows, for each pair it is part of, how many messages travel (both
+ends compute them from the same tables), so no wait depends on a later round: it never
+deadlocks, whatever the pattern, and holds one message (up to ``cap``, 1 MiB) per peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distributed_ext import _agree, _direct_io, _watch
+from distributed_ext.export import owners as _owners
+from distributed_ext.export.messages import Segment, _rows, pack, pack_bounds
+from distributed_ext.export.stager import _Stager
+
+# Plans whose buffers a transport may still use after a peer failed: never freed.
+_ABANDONED: list[Any] = []
+
+
+@dataclass
+class EdgePlan:
+    """One rank's fragments and, once known, their destinations and its receipts."""
+
+    fragments: list[Segment]  # this rank's, in order
+    rows: torch.Tensor  # their fragment table (:mod:`.owners`)
+    dests: torch.Tensor | None = None  # the owner of each; dst: known when planned
+    receipts: torch.Tensor | None = None  # what this rank receives (a receipt table)
+    # dst only: each other rank's (destinations, receipts), to deliver
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Made by prepare(): messages out per owner, row tables in per sender, own ones kept.
+    outgoing: dict[int, list[list[Segment]]] = field(default_factory=dict)
+    incoming: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    kept: list[list[Segment]] = field(default_factory=list)
+    send_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
+    recv_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
+    host: torch.Tensor | None = None  # NCCL: received or kept bytes on their way to a file
+    stager: _Stager | None = None
+
+    @property
+    def bytes_out(self) -> int:
+        """The bytes of fragments this rank sends to other owners."""
+        return sum(s[3] for ms in self.outgoing.values() for m in ms for s in m)
+
+
+def fragment_table(fragments: list[Segment]) -> torch.Tensor:
+    """The fragment table of ``fragments`` (one row each: each lies inside one run)."""
+    rows = _rows(fragments)
+    assert len(rows) == len(fragments), "a fragment spans runs"
+    return rows
+
+
+def plan_on_dst(per_rank: list[list[Segment]], layout: Any, dst_rank: int) -> EdgePlan:
+    """dst's :class:`EdgePlan`, with every other rank's tables to deliver; ``per_rank``:
+    every rank's fragments; ``layout``: the files (a sink's ``file_of``, ``bases``,
+    ``sizes``)."""
+    tables = [fragment_table(f) for f in per_rank]
+    dests = _owners.plan_owners(tables, layout.file_of, layout.bases, layout.sizes, dst_rank,
+                                _direct_io.ALIGN)
+    plan = EdgePlan(per_rank[dst_rank], tables[dst_rank], dests[dst_rank],
+                    _owners.plan_receipts(tables, dests, dst_rank))
+    for r, rows in enumerate(tables):
+        if r != dst_rank and len(rows):
+            plan.tables[r] = (dests[r], _owners.plan_receipts(tables, dests, r))
+    return plan
+
+
+def deliver(plan: EdgePlan | None, ctx: _agree.GroupContext, dst_rank: int, layout: Any,
+            nbytes: torch.Tensor, what: str) -> None:
+    """dst sends each rank with fragments its tables; that rank checks them (ValueError
+    naming the bad row) and keeps them. Two messages: the receipt count with the
+    destinations (whose number the rank knows), then the receipts. Run in an agreed round."""
+    me = ctx.rank
+    if plan is None or (me != dst_rank and not plan.fragments):
+        return  # (dst sends nothing to a rank without fragments)
+
+    def body(_worker: Any) -> None:
+        link = ctx.device
+        if me == dst_rank:
+            works, keep = [], []
+            for r, (dests, receipts) in plan.tables.items():
+                head = torch.cat((torch.tensor([len(receipts)]), dests)).to(link)
+                keep.append(head)
+                works.append(dist.isend(head, ctx.ranks[r], group=ctx.group))
+                if len(receipts):
+                    body_t = receipts.reshape(-1).to(link)
+                    keep.append(body_t)
+                    works.append(dist.isend(body_t, ctx.ranks[r], group=ctx.group))
+            for w in works:
+                w.wait()
+            return
+        head = torch.empty(1 + len(plan.fragments), dtype=torch.int64, device=link)
+        dist.irecv(head, ctx.ranks[dst_rank], group=ctx.group).wait()
+        head = head.cpu()
+        count = int(head[0])
+        # A receipt is a fragment of a block this rank owns, which holds at most two runs'
+        # ends besides its own: a count beyond that is malformed (never allocated).
+        if not 0 <= count <= 4 * len(plan.fragments):
+            raise ValueError(f"{what}: dst announced {count} fragments to receive for "
+                             f"{len(plan.fragments)} of this rank's own (at most four each)")
+        receipts = torch.empty((count, 4), dtype=torch.int64, device=link)
+        if count:
+            dist.irecv(receipts, ctx.ranks[dst_rank], group=ctx.group).wait()
+        receipts = receipts.cpu()
+        try:
+            _owners.check_tables(head[1:], receipts, plan.rows, me, ctx.size, nbytes,
+                                 layout.file_of, layout.bases, _direct_io.ALIGN)
+        except ValueError as exc:
+            raise ValueError(f"{what}: the table of shared blocks from dst (rank "
+                             f"{ctx.ranks[dst_rank]}) is malformed: {exc}") from None
+        plan.dests, plan.receipts = head[1:], receipts
+
+    _watch.run_watched(body, ctx.ranks, f"{what} (shared blocks)")
+
+
+def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch.device,
+            cap: int) -> None:
+    """Plans this rank's messages (out per owner, in per sender, its own kept) and
+    allocates every buffer the exchange needs: one message per peer each way."""
+    assert plan.dests is not None and plan.receipts is not None
+    by_dest: dict[int, list[Segment]] = {}
+    for seg, to in zip(plan.fragments, plan.dests.tolist()):
+        by_dest.setdefault(to, []).append(seg)
+    plan.kept = pack(by_dest.pop(me, []), cap)
+    plan.outgoing = {r: pack(segs, cap) for r, segs in sorted(by_dest.items())}
+    receipts = plan.receipts
+    for r in torch.unique(receipts[:, _owners.R_SOURCE]).tolist() if len(receipts) else []:
+        mine = receipts[receipts[:, _owners.R_SOURCE] == r]
+        n = mine[:, _owners.R_NBYTES]
+        starts = pack_bounds(n.tolist(), cap)
+        tables = []
+        for a, b in zip(starts, [*starts[1:], len(mine)]):
+            at = torch.cumsum(n[a:b], 0) - n[a:b]
+            tables.append(torch.stack((mine[a:b, _owners.R_ENTRY], mine[a:b, _owners.R_OFFSET],
+                                       at, n[a:b]), 1))
+        plan.incoming[r] = tables
+    biggest = max([int(t[:, 3].sum()) for ts in plan.incoming.values() for t in ts]
+                  + [sum(s[3] for s in m) for ms in plan.outgoing.values() for m in ms]
+                  + [sum(s[3] for s in m) for m in plan.kept] + [0])
+    for r, ms in plan.outgoing.items():
+        plan.send_bufs[r] = torch.empty(max(sum(s[3] for s in m) for m in ms),
+                                        dtype=torch.uint8, device=link)
+    for r, ts in plan.incoming.items():
+        plan.recv_bufs[r] = torch.empty(max(int(t[:, 3].sum()) for t in ts),
+                                        dtype=torch.uint8, device=link)
+    if link.type == "cuda" and biggest:
+        plan.host = torch.empty(biggest, dtype=torch.uint8)
+    stager = _Stager(state, max(cap, biggest), link, None)
+    stager.reserve([m for ms in plan.outgoing.values() for m in ms] + plan.kept)
+    plan.stager = stager
+
+
+def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> None:
+    """Sends this rank's fragments to their owners and writes the blocks it owns (its
+    kept fragments and those it receives, through ``sink.write_edges``), in rounds (module
+    docstring). A write or read that fails is raised once every round is done (the
+    messages keep their sizes: no peer waits); a peer that fails is named. ``sink`` None
+    (this rank failed already): it only sends and receives, so that no peer waits."""
+    stager = plan.stager
+    assert stager is not None
+    failures: list[BaseException] = []
+
+    def to_host(data: torch.Tensor) -> torch.Tensor:
+        if data.device.type == "cpu":
+            return data
+        assert plan.host is not None
+        host = plan.host[: data.numel()]
+        host.copy_(data)
+        return host
+
+    def write(data: torch.Tensor, rows: torch.Tensor) -> None:
+        if failures or sink is None:
+            return
+        try:
+            sink.write_edges(to_host(data), rows)
+        except BaseException as exc:  # noqa: BLE001 - raised once the rounds are done
+            failures.append(exc)
+
+    def body(_worker: Any) -> None:
+        if ctx.device.type == "cuda":
+            torch.cuda.set_device(ctx.device)
+        for message in plan.kept:
+            data, _keep = stager.stage(message, 0)
+            write(data, _rows(message))
+        rounds = max([len(v) for v in plan.outgoing.values()]
+                     + [len(v) for v in plan.incoming.values()] + [0])
+        for k in range(rounds):
+            ops, landed = [], []
+            for r, ms in plan.outgoing.items():
+                if k < len(ms):
+                    data, _keep = stager.stage(ms[k], 0)
+                    buf = plan.send_bufs[r][: data.numel()]
+                    buf.copy_(data)
+                    ops.append((dist.isend, buf, ctx.ranks[r]))
+            for r, ts in plan.incoming.items():
+                if k < len(ts):
+                    buf = plan.recv_bufs[r][: int(ts[k][:, 3].sum())]
+                    ops.append((dist.irecv, buf, ctx.ranks[r]))
+                    landed.append((buf, ts[k]))
+            done = False
+            try:
+                for work in _post(ops, ctx):
+                    work.wait()
+                done = True
+            finally:
+                if not done:  # a peer failed: the transport may still use these buffers
+                    _ABANDONED.append(plan)
+            for buf, rows in landed:
+                write(buf, rows)
+        if stager.failure is not None:
+            failures.insert(0, stager.failure)
+        if failures:
+            raise _watch.LocalFailure(failures[0])
+
+    _watch.run_watched(body, ctx.ranks, f"{what} (shared blocks)")
+
+
+def _post(ops: list[tuple[Any, torch.Tensor, int]], ctx: _agree.GroupContext) -> list[Any]:
+    """Posts a round's sends and receives, all before any wait: one NCCL group on a GPU
+    link (a pair that sends both ways in one round would block each other otherwise); on
+    gloo each op as it is (it has no groups, and posted ops progress on their own)."""
+    if ctx.device.type == "cuda":
+        return dist.batch_isend_irecv([dist.P2POp(op, t, peer, group=ctx.group)
+                                       for op, t, peer in ops])
+    return [op(t, peer, group=ctx.group) for op, t, peer in ops]
