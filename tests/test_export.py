@@ -1726,3 +1726,127 @@ def test_a_writers_own_chunks_are_cut_where_the_file_is_aligned(base):
     unaligned = E.plan_messages([(entry, piece)], 64 * 2**10)
     more = [s for m in edge_messages(unaligned, bases, 4096, 2**20) for s in m]
     assert base % 4096 == 0 or len(more) > len(edges) + 10
+
+
+def _fragments(*runs, base=100):
+    """A fragment table of entry 0 (its data at file offset ``base``) from ``(file offset,
+    nbytes)`` pairs."""
+    return torch.tensor([(0, o - base, 0, n) for o, n in runs], dtype=torch.int64).reshape(-1, 4)
+
+
+def test_a_shared_block_is_owned_by_the_holder_of_most_of_its_bytes():
+    # One process, the planner alone: one file of 41960 bytes, a 100-byte header, then one
+    # entry; 3 ranks' fragments of its shared blocks (file offsets).
+    from distributed_ext.export import owners
+
+    bases, file_of, sizes = torch.tensor([100]), torch.zeros(1, dtype=torch.int64), [41960]
+    frags = [
+        # rank 0 (dst): the header's block (dst's whatever it holds); half of block 6 (a
+        # tie); 100 bytes of the file's last, partial block (1000 bytes)
+        _fragments((100, 3996), (6 * 4096, 2048), (40960, 100)),
+        # rank 1: 3000 of block 2 (against rank 2's 1096); 1000 of block 4 (against 3096);
+        # the other half of block 6
+        _fragments((2 * 4096, 3000), (4 * 4096 + 3096, 1000), (6 * 4096 + 2048, 2048)),
+        # rank 2: the rest of blocks 2 and 4, and 900 of the last block
+        _fragments((2 * 4096 + 3000, 1096), (4 * 4096, 3096), (40960 + 100, 900)),
+    ]
+    dests = owners.plan_owners(frags, file_of, bases, sizes, 0, 4096)
+    assert dests[0].tolist() == [0, 0, 2]  # header: dst's; the tie: dst's; 900 of 1000: 2's
+    assert dests[1].tolist() == [1, 2, 0]
+    assert dests[2].tolist() == [1, 2, 2]
+    # The same tie with dst elsewhere: the lower rank
+    assert owners.plan_owners(frags, file_of, bases, sizes, 2, 4096)[1].tolist()[2] == 0
+    # What rank 2 receives: rank 0's bytes of the last block, rank 1's of block 4
+    got = owners.plan_receipts(frags, dests, 2)
+    assert got.tolist() == [[0, 0, 40960 - 100, 100], [1, 0, 4 * 4096 + 3096 - 100, 1000]]
+    # ... which it accepts; a receipt that is not a fragment of a block it owns, it refuses.
+    nbytes = torch.tensor([41860])
+    owners.check_tables(dests[2], got, frags[2], 2, 3, nbytes, file_of, bases, 4096)
+    for bad in [
+        [[1, 0, 2 * 4096 - 100, 1000]],  # block 2 is rank 1's
+        [[2, 0, 40960 - 100, 100]],  # from itself
+        [[0, 7, 0, 100]],  # no such entry
+        [[0, 0, 41860 - 50, 100]],  # past the entry's end
+        [[0, 0, 40960 - 100, 4096]],  # a block or more
+        [[0, 0, 4 * 4096 + 4000 - 100, 200]],  # across two blocks
+    ]:
+        with pytest.raises(ValueError, match="is not a fragment of a block this rank owns"):
+            owners.check_tables(dests[2], torch.tensor(bad), frags[2], 2, 3, nbytes, file_of,
+                                bases, 4096)
+    with pytest.raises(ValueError, match="destination 3 of fragment 1 is not a group rank"):
+        owners.check_tables(torch.tensor([1, 3, 2]), got, frags[2], 2, 3, nbytes, file_of,
+                            bases, 4096)
+
+
+def _majority_writes(out):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(2)
+    # Long Shard(0) runs (~100 KB a rank) whose ends fall inside 4 KiB blocks.
+    state = {"a": distribute_tensor(torch.randn(999, 77, generator=g), mesh, [Shard(0)]),
+             "b": distribute_tensor(torch.randn(500, 300, generator=g).bfloat16(), mesh,
+                                    [Shard(0)]),
+             "c": distribute_tensor(torch.randn(1000, 70, generator=g), mesh, [Shard(0)])}
+    sent, real_send = [], dist.isend
+
+    def counting(tensor, *args, **kwargs):  # the bytes of data messages (not the tables)
+        if tensor.dtype == torch.uint8:
+            sent.append(tensor.numel())
+        return real_send(tensor, *args, **kwargs)
+
+    dist.isend = counting
+    try:
+        writes = _recording_writes(lambda: dx.export_hf_checkpoint(state, out, writers="all"))
+    finally:
+        dist.isend = real_send
+    rows = {k: (v.shape[0], v.to_local().shape[0]) for k, v in state.items()}
+    return _blocks_written(writes), sum(sent), rows
+
+
+def test_every_shared_block_is_written_by_the_holder_of_most_of_its_bytes(tmp_path):
+    # World 3, against the file itself: where two ranks' runs meet inside a 4 KiB block,
+    # the block's writer is the rank holding more of its bytes (dst where the header is),
+    # and what each rank sends is exactly its bytes in blocks others own.
+    import json
+
+    world = 3
+    out = tmp_path / "ckpt"
+    values = assert_all_ok(run_ranks(_majority_writes, world, str(out), timeout=120))
+    data = (out / E.WEIGHTS_NAME).read_bytes()
+    head_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + head_len])
+    start = 8 + head_len
+    held = []  # (first byte, end, rank) of every rank's run in the file
+    for key, (nrows, _local) in values[0][2].items():
+        lo, hi = header[key]["data_offsets"]
+        row = (hi - lo) // nrows
+        per = -(-nrows // world)  # torch.chunk's rows per rank
+        for r in range(world):
+            a, b = min(r * per, nrows), min((r + 1) * per, nrows)
+            if b > a:
+                held.append((start + lo + a * row, start + lo + b * row, r))
+    bytes_in = {}  # block -> {rank: bytes}
+    for a, b, r in held:
+        for blk in (a // 4096, (b - 1) // 4096):
+            lo, hi = max(a, blk * 4096), min(b, (blk + 1) * 4096)
+            bytes_in.setdefault(blk, {})[r] = hi - lo
+    expected_sent = [0] * world
+    checked = 0
+    for blk, by_rank in bytes_in.items():
+        if len(by_rank) < 2 and blk * 4096 >= start:
+            continue
+        if blk * 4096 < start:  # the header's block: dst's
+            owner = 0
+        else:
+            owner = max(by_rank, key=lambda r: (by_rank[r], r == 0, -r))
+        writers = [r for r in range(world) if ("model.safetensors", blk) in values[r][0]]
+        assert writers == [owner], (blk, by_rank, writers)
+        for r, n in by_rank.items():
+            if r != owner:
+                expected_sent[r] += n
+        checked += 1
+    assert checked >= 6  # (the blocks where ranks meet, between and inside tensors)
+    owners_seen = {max(by, key=by.get) for by in bytes_in.values() if len(by) > 1}
+    assert owners_seen - {0}, owners_seen  # not every shared block is dst's
+    assert [v[1] for v in values] == expected_sent, ([v[1] for v in values], expected_sent)

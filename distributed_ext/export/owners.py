@@ -128,16 +128,15 @@ def check_tables(dests: torch.Tensor, receipts: torch.Tensor, rows: torch.Tensor
         bad |= torch.div(start, align, rounding_mode="floor") != \
             torch.div(start + n - 1, align, rounding_mode="floor")
     if not bool(bad.any()):
-        kept = rows[dests == me]
-        fid, block = block_keys(kept, file_of, bases, align)
-        scale = int(block.max()) + 2 if len(block) else 1
-        owned = torch.unique(fid * scale + block)
+        # The blocks this rank owns: those of its own fragments it keeps (dense keys).
+        fid, block = block_keys(rows[dests == me], file_of, bases, align)
         rfid, rblock = block_keys(receipts[:, [R_ENTRY, R_OFFSET, R_SOURCE, R_NBYTES]],
                                   file_of, bases, align)
+        scale = int(torch.cat((block, rblock)).max()) + 1
+        owned = torch.unique(fid * scale + block)
         keys = rfid * scale + rblock
         found = torch.searchsorted(owned, keys).clamp(max=max(len(owned) - 1, 0))
-        bad = (rblock >= scale) | (len(owned) == 0) | (owned[found] != keys) \
-            if len(owned) else torch.ones(len(keys), dtype=torch.bool)
+        bad = owned[found] != keys if len(owned) else torch.ones(len(keys), dtype=torch.bool)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"receipt {i} {receipts[i].tolist()} (source, entry, offset, "
