@@ -1462,7 +1462,7 @@ def test_every_rank_writes_its_own_bytes_into_the_same_files_the_single_writer_m
         assert (tmp_path / "None" / name).read_bytes() == (tmp_path / "dst" / name).read_bytes()
     total = sum(os.path.getsize(tmp_path / "all" / n) for n in names if n != E.INDEX_NAME)
     # Every 4 KiB block of the files has one writer: where two ranks' runs meet inside a
-    # block, dst writes it (the sender sends it the bytes it holds there).
+    # block, the one holding more of it writes it (the other sends it its bytes there).
     blocks = [got["blocks"] for got, _fsdp, _dense in values]
     for a, b in itertools.combinations(range(world), 2):
         assert not blocks[a] & blocks[b], (a, b, sorted(blocks[a] & blocks[b])[:5])
@@ -1471,9 +1471,9 @@ def test_every_rank_writes_its_own_bytes_into_the_same_files_the_single_writer_m
         sent_all, wrote_all = got["all"]
         sent_dst, wrote_dst = got["dst"]
         # Only pieces of short runs cross the link (here the Shard(1) rows, the small
-        # tensors: ~20 KiB), for dst to assemble them into whole regions, and the partial
-        # 4 KiB blocks at the ends of its two long runs (its FSDP block, its rows of "dense":
-        # under 16 KiB); the FSDP block never.
+        # tensors: ~20 KiB), for dst to assemble them into whole regions, and its bytes in
+        # the partial 4 KiB blocks at the ends of its two long runs that another rank owns
+        # (its FSDP block, its rows of "dense": under 16 KiB); the FSDP block never.
         assert sent_all < 64 * 2**10, (r, sent_all)
         assert r == 0 or sent_all < sent_dst - fsdp_share + 4 * 4096, (r, sent_all, sent_dst)
         # Each rank writes about its share (its FSDP block and its rows of the replicated
@@ -1850,3 +1850,36 @@ def test_every_shared_block_is_written_by_the_holder_of_most_of_its_bytes(tmp_pa
     owners_seen = {max(by, key=by.get) for by in bytes_in.values() if len(by) > 1}
     assert owners_seen - {0}, owners_seen  # not every shared block is dst's
     assert [v[1] for v in values] == expected_sent, ([v[1] for v in values], expected_sent)
+
+
+def _corrupt_table(out):
+    if dist.get_rank() == 0:  # dst tells rank 1 to send a fragment to a rank 5 of 2
+        from distributed_ext.export import edges
+
+        real = edges._owners.plan_owners
+
+        def corrupt(*args):
+            got = real(*args)
+            got[1][0] = 5
+            return got
+
+        edges._owners.plan_owners = corrupt
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    state = {"w": distribute_tensor(torch.arange(300 * 1001, dtype=torch.float32)
+                                    .reshape(300, 1001), mesh, [Shard(0)])}
+    return _export_then_use_the_group(state, out, 2**20, "all")
+
+
+def test_a_malformed_table_of_shared_blocks_is_refused_on_every_rank(tmp_path):
+    out = tmp_path / "ckpt"
+    values = assert_all_ok(run_ranks(_corrupt_table, 2, str(out)))
+    assert values[1][0][:2] == ("raised", "ValueError"), values[1]
+    assert "the table of shared blocks from dst (rank 0) is malformed: destination 5 of " \
+        "fragment 0 is not a group rank (0..1)" in \
+        values[1][0][2], values[1]
+    assert values[0][0][0] == "raised" and "rank 1 failed with ValueError" in values[0][0][2], \
+        values[0]
+    assert all(after == 2 for _first, after in values)
+    assert not out.exists() and not [n for n in os.listdir(tmp_path) if "dext" in n]

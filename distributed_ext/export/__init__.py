@@ -13,6 +13,8 @@ One module per concern; the plan of pieces (:mod:`.pieces`) is the contract betw
 - :mod:`.sinks`: where dst puts the bytes (files, memory).
 - :mod:`.stager` and :mod:`.transfer`: the data round.
 - :mod:`.writers`: who writes the files (dst, or every rank its own bytes).
+- :mod:`.owners` and :mod:`.edges`: with every rank writing, who writes each block that two
+  ranks' runs share (the holder of most of its bytes), and how its bytes get there.
 - :mod:`.api`: the rounds, and the public functions.
 """
 

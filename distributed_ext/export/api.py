@@ -323,10 +323,12 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     path; a replicated block (an HSDP shard, a plain tensor several ranks hold) is written
     once, split by rows between its holders (from 2 MiB: 1 MiB or more each), each writing
     its rows from its own copy. Each 4 KiB block of the files has one writer: a block two
-    ranks' runs share is written by dst, to which the other rank sends its bytes there
-    (under 4 KiB at each end of a run). That needs a directory every rank sees as dst does
-    (a shared filesystem, or one machine): dst writes a probe with a random token into its
-    stage and every rank reads it back. ``"dst"``: dst writes every byte (no shared
+    ranks' runs share is written by the rank holding most of its bytes (dst where it holds
+    the header or short runs), to which the other sends its bytes there (under 4 KiB at
+    each end of a run; dst plans who owns what and tells each rank in one preparing
+    round). That needs a directory every rank sees as dst does (a shared filesystem, or
+    one machine): dst writes a probe with a random token into its stage and every rank
+    reads it back. ``"dst"``: dst writes every byte (no shared
     filesystem needed). ``"auto"`` (default): ``"all"`` where every rank sees the directory
     (one host's local disk included), else ``"dst"``; ``"all"`` where some rank does not see
     it is a ValueError on every rank naming those ranks. Pieces of short runs (small
@@ -348,7 +350,10 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     most one contiguous copy of one piece at a time where a piece is not contiguous in its
     shard (a transposed or column block), on the piece's own device. With ``writers="all"``
     a sender also holds, for the pieces it writes itself, three host slots (pinned for GPU
-    bytes: one) and an 8 MiB bounce buffer for direct writes; dst as above.
+    bytes: one) and an 8 MiB bounce buffer for direct writes; dst as above; and every rank,
+    for the blocks its runs share, one message of up to 1 MiB per rank it exchanges their
+    bytes with, each way (a few: its neighbours in the files), and a table of 32 bytes per
+    such block (dst: for every rank's, which it plans).
 
     Cost: by bytes, not tensor count. Pieces under 1 MiB are packed into shared messages by
     the compiled core and written by dst in one native call per file and message; the

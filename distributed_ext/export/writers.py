@@ -8,10 +8,11 @@ MiB; :func:`~distributed_ext.export.pieces.plan_entries` with ``spread``), each 
 copy. Every 4 KiB block of a file has exactly one writer: a rank writes the whole aligned
 blocks inside its runs (direct where the filesystem takes it), and a block that two runs
 share -- where one rank's run ends and another's begins (a rank's own messages are cut where
-the file is aligned) -- is written by dst, to which the rank sends its few bytes there
-(under 4 KiB at each end of a run: :func:`~distributed_ext.export.messages.edge_messages`).
-So no two ranks (nor two clients of a network filesystem) ever write one page. Every rank
-fsyncs what it wrote; dst publishes once all have.
+the file is aligned) -- is written by the rank that holds most of its bytes (dst where the
+block also holds the header or short runs), to which the others send their few bytes there
+(under 4 KiB at each end of a run: :mod:`.owners` decides, :mod:`.edges` moves them). So no
+two ranks (nor two clients of a network filesystem) ever write one page, and dst is not the
+sink of every rank's edges. Every rank fsyncs what it wrote; dst publishes once all have.
 
 Pieces of short runs (under ``SMALL_RUN``: small tensors, the rows of a ``Shard(1)``/TP
 layout) still go to dst, which assembles them into whole regions: every rank writing its own
