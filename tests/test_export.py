@@ -1757,7 +1757,10 @@ def test_a_shared_block_is_owned_by_the_holder_of_most_of_its_bytes():
     # The same tie with dst elsewhere: the lower rank
     assert owners.plan_owners(frags, file_of, bases, sizes, 2, 4096)[1].tolist()[2] == 0
     # What rank 2 receives: rank 0's bytes of the last block, rank 1's of block 4
-    got = owners.plan_receipts(frags, dests, 2)
+    receipts = owners.plan_receipts(frags, dests)
+    assert receipts[0].tolist() == [[1, 0, 6 * 4096 + 2048 - 100, 2048]]  # the tie
+    assert receipts[1].tolist() == [[2, 0, 2 * 4096 + 3000 - 100, 1096]]
+    got = receipts[2]
     assert got.tolist() == [[0, 0, 40960 - 100, 100], [1, 0, 4 * 4096 + 3096 - 100, 1000]]
     # ... which it accepts; a receipt that is not a fragment of a block it owns, it refuses.
     nbytes = torch.tensor([41860])

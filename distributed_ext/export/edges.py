@@ -71,11 +71,11 @@ def plan_on_dst(per_rank: list[list[Segment]], layout: Any, dst_rank: int) -> Ed
     tables = [fragment_table(f) for f in per_rank]
     dests = _owners.plan_owners(tables, layout.file_of, layout.bases, layout.sizes, dst_rank,
                                 _direct_io.ALIGN)
-    plan = EdgePlan(per_rank[dst_rank], tables[dst_rank], dests[dst_rank],
-                    _owners.plan_receipts(tables, dests, dst_rank))
+    receipts = _owners.plan_receipts(tables, dests)
+    plan = EdgePlan(per_rank[dst_rank], tables[dst_rank], dests[dst_rank], receipts[dst_rank])
     for r, rows in enumerate(tables):
         if r != dst_rank and len(rows):
-            plan.tables[r] = (dests[r], _owners.plan_receipts(tables, dests, r))
+            plan.tables[r] = (dests[r], receipts[r])
     return plan
 
 

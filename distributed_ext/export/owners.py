@@ -84,21 +84,24 @@ def plan_owners(fragments: list[torch.Tensor], file_of: torch.Tensor, bases: tor
     return list(torch.split(owner[which], counts))
 
 
-def plan_receipts(fragments: list[torch.Tensor], dests: list[torch.Tensor],
-                  owner: int) -> torch.Tensor:
-    """The fragments ``owner`` receives (a receipt table), grouped by sender in rank order,
-    each sender's in its send order."""
-    parts = []
-    for r, (rows, to) in enumerate(zip(fragments, dests)):
-        if r == owner or not len(rows):
-            continue
-        mine = rows[to == owner]
-        if len(mine):
-            parts.append(torch.cat((torch.full((len(mine), 1), r, dtype=torch.int64),
-                                    mine[:, [F_ENTRY, F_OFFSET, F_NBYTES]]), 1))
-    if not parts:
-        return torch.empty((0, 4), dtype=torch.int64)
-    return torch.cat(parts)
+def plan_receipts(fragments: list[torch.Tensor], dests: list[torch.Tensor]
+                  ) -> list[torch.Tensor]:
+    """Per group rank, the fragments it receives (a receipt table): grouped by sender in
+    rank order, each sender's in its send order. One stable sort of every moving fragment,
+    not a pass over them per rank."""
+    world = len(fragments)
+    empty = torch.empty((0, 4), dtype=torch.int64)
+    counts = [len(t) for t in fragments]
+    if not sum(counts):
+        return [empty] * world
+    rows = torch.cat(fragments)
+    src = torch.repeat_interleave(torch.arange(world), torch.tensor(counts))
+    to = torch.cat(dests)
+    moving = to != src
+    rows, src, to = rows[moving], src[moving], to[moving]
+    order = torch.sort(to * world + src, stable=True).indices
+    table = torch.cat((src[order, None], rows[order][:, [F_ENTRY, F_OFFSET, F_NBYTES]]), 1)
+    return list(torch.split(table, torch.bincount(to, minlength=world).tolist()))
 
 
 def check_tables(dests: torch.Tensor, receipts: torch.Tensor, rows: torch.Tensor, me: int,
