@@ -66,7 +66,7 @@ from distributed_ext.export.sinks import FileSink, MemorySink
 from distributed_ext.export.transfer import (
     EXPORT_CHUNK_BYTES,
     _prepare_transfer,
-    _transfer,
+    _write_data,
     _write_own,
 )
 from distributed_ext.export.writers import WRITERS, check_writers, resolve_writers
@@ -235,49 +235,18 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
 
             agreed("preparing the writers", join)
 
-            def prepare_edges() -> None:
-                """dst tells each rank who writes the blocks its runs share (:mod:`.edges`);
-                each checks what it got and allocates the exchange's buffers."""
-                plan = parts["prepared"].edges
-                nbytes = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
-                _edges.deliver(plan, ctx, dst_rank, parts["sink"], nbytes, what)
-                if plan is not None and plan.dests is not None:
-                    _edges.prepare(plan, state, ctx.rank, ctx.device, min(chunk, PACK_BYTES))
-
             if mode == "all":
-                agreed("preparing the shared blocks", prepare_edges)
+                agreed("preparing the shared blocks", lambda: _edges.prepare_round(
+                    parts["prepared"].edges, parts["sink"], entries, state, ctx, dst_rank,
+                    min(chunk, PACK_BYTES), what))
         sink, prepared = parts["sink"], parts["prepared"]
         assert prepared is not None
-        failure: BaseException | None = None
         try:
-            # writers="all": the short pieces still stream to dst; then each rank writes
-            # the rest of its own pieces itself, the blocks their runs share go to their
-            # owners, and each rank makes what it wrote durable.
-            try:
-                _transfer(state, prepared, sink, ctx, dst_rank, what)
-                if prepared.local_messages:
-                    _write_own(prepared.start_local(state, chunk), sink,
-                               prepared.local_messages, middles=True)
-            except _watch.PeerFailure:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - this rank's (a full disk): agreed
-                failure = exc
-            finally:
-                prepared.release_local()
-            edge_plan = prepared.edges
-            # Its peers wait on this rank's fragments: it takes part whatever failed here
-            # (writing nothing then), unless the group is gone (a rank found dead).
-            if edge_plan is not None and edge_plan.stager is not None and \
-                    _watch.posted_failure() is None:
-                _edges.exchange(edge_plan, sink if failure is None else None, ctx, what)
-            if failure is None and ctx.rank != dst_rank and sink is not None:
-                sink.finish()
+            failure = _write_data(state, prepared, sink, ctx, dst_rank, chunk, what)
         except _watch.PeerFailure as exc:
             if sink is not None:
                 sink.abort()
             raise _agree.peer_failure_error(what, exc) from exc.cause
-        except BaseException as exc:  # noqa: BLE001 - a full disk on dst: agreed below
-            failure = failure or exc
         _agree.agree(what, ctx, failure=failure or deferred.take(), stage="transfer",
                      cleanup=None if sink is None else sink.abort)
         if ctx.rank != dst_rank:

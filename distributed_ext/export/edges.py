@@ -26,6 +26,7 @@ import torch.distributed as dist
 from distributed_ext import _agree, _direct_io, _watch
 from distributed_ext.export import owners as _owners
 from distributed_ext.export.messages import Segment, _rows, pack, pack_bounds
+from distributed_ext.export.pieces import Entry
 from distributed_ext.export.stager import _Stager
 
 # Plans whose buffers a transport may still use after a peer failed: never freed.
@@ -125,6 +126,18 @@ def deliver(plan: EdgePlan | None, ctx: _agree.GroupContext, dst_rank: int, layo
         plan.dests, plan.receipts = head[1:], receipts
 
     _watch.run_watched(body, ctx.ranks, f"{what} (shared blocks)")
+
+
+def prepare_round(plan: EdgePlan | None, sink: Any, entries: list[Entry],
+                  state: dict[str, torch.Tensor], ctx: _agree.GroupContext, dst_rank: int,
+                  cap: int, what: str) -> None:
+    """The step of the preparing round for shared blocks, on every rank: dst tells each
+    rank who writes the blocks its runs share (:func:`deliver`); each checks what it got
+    and allocates the exchange's buffers (:func:`prepare`)."""
+    nbytes = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
+    deliver(plan, ctx, dst_rank, sink, nbytes, what)
+    if plan is not None and plan.dests is not None:
+        prepare(plan, state, ctx.rank, ctx.device, cap)
 
 
 def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch.device,

@@ -340,3 +340,40 @@ def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
             raise _watch.LocalFailure(failures[0])
 
     _watch.run_watched(body, ctx.ranks, what)
+
+
+def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
+                ctx: _agree.GroupContext, dst_rank: int, chunk: int, what: str
+                ) -> BaseException | None:
+    """The data round on this rank: its messages to dst (:func:`_transfer`); with
+    ``writers="all"`` then its own long runs written (a sender's), the shared blocks'
+    fragments to their owners (:func:`.edges.exchange`) and what it wrote made durable.
+
+    Returns this rank's failure (a full disk, a piece that failed to read), for the caller
+    to agree; raises :class:`~distributed_ext._watch.PeerFailure` for a peer's."""
+    failure: BaseException | None = None
+    try:
+        try:
+            _transfer(state, prepared, sink, ctx, dst_rank, what)
+            if prepared.local_messages:
+                _write_own(prepared.start_local(state, chunk), sink, prepared.local_messages,
+                           middles=True)
+        except _watch.PeerFailure:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - this rank's: agreed by the caller
+            failure = exc
+        finally:
+            prepared.release_local()
+        edge_plan = prepared.edges
+        # Its peers wait on this rank's fragments: it takes part whatever failed here
+        # (writing nothing then), unless the group is gone (a rank found dead).
+        if edge_plan is not None and edge_plan.stager is not None and \
+                _watch.posted_failure() is None:
+            _edges.exchange(edge_plan, sink if failure is None else None, ctx, what)
+        if failure is None and ctx.rank != dst_rank and sink is not None:
+            sink.finish()
+    except _watch.PeerFailure:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        failure = failure or exc
+    return failure
