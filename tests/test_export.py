@@ -1886,3 +1886,36 @@ def test_a_malformed_table_of_shared_blocks_is_refused_on_every_rank(tmp_path):
         values[0]
     assert all(after == 2 for _first, after in values)
     assert not out.exists() and not [n for n in os.listdir(tmp_path) if "dext" in n]
+
+
+def _owner_disk_fills(out):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    r = dist.get_rank()
+    if r == 2:  # its disk fills once it writes the shared blocks it owns
+        def full(self, data, rows):
+            raise OSError(28, "No space left on device")
+
+        E.FileSink.write_edges = full
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(3)
+    state = {k: distribute_tensor(torch.randn(999, 77, generator=g), mesh, [Shard(0)])
+             for k in ("a", "b", "c")}
+    return _export_then_use_the_group(state, out, 2**20, "all")
+
+
+def test_an_owner_whose_disk_fills_while_writing_shared_blocks_fails_every_rank(tmp_path):
+    # The exchange's rounds go on to the end (no peer waits on the failed rank), then the
+    # failure is agreed: every rank raises naming it, the earlier checkpoint stays.
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier checkpoint")
+    values = assert_all_ok(run_ranks(_owner_disk_fills, 3, str(out)))
+    assert values[2][0][:2] == ("raised", "OSError"), values[2]
+    for r in (0, 1):
+        assert values[r][0][:2] == ("raised", "RuntimeError") and \
+            "rank 2 failed with OSError" in values[r][0][2], values[r]
+    assert all(after == 3 for _first, after in values)
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"an earlier checkpoint"
+    assert not [n for n in os.listdir(tmp_path) if "dext" in n]
