@@ -52,11 +52,6 @@ class EdgePlan:
     host: torch.Tensor | None = None  # NCCL: received or kept bytes on their way to a file
     stager: _Stager | None = None
 
-    @property
-    def bytes_out(self) -> int:
-        """The bytes of fragments this rank sends to other owners."""
-        return sum(s[3] for ms in self.outgoing.values() for m in ms for s in m)
-
 
 def fragment_table(fragments: list[Segment]) -> torch.Tensor:
     """The fragment table of ``fragments`` (one row each: each lies inside one run)."""

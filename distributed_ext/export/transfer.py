@@ -366,9 +366,10 @@ def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
             prepared.release_local()
         edge_plan = prepared.edges
         # Its peers wait on this rank's fragments: it takes part whatever failed here
-        # (writing nothing then), unless the group is gone (a rank found dead).
+        # (writing nothing then), unless the group is gone (a rank found dead; asked only
+        # after a failure, as posted_failure wants).
         if edge_plan is not None and edge_plan.stager is not None and \
-                _watch.posted_failure() is None:
+                (failure is None or _watch.posted_failure() is None):
             _edges.exchange(edge_plan, sink if failure is None else None, ctx, what)
         if failure is None and ctx.rank != dst_rank and sink is not None:
             sink.finish()
