@@ -23,11 +23,11 @@ token into the stage, every rank reads it back, and the answers are agreed. ``"a
 directory some rank does not see is a ValueError on every rank naming those ranks.
 ``"auto"`` picks ``"all"`` where every rank sees the directory, else ``"dst"``. On one host
 the ranks share its disk: measured on a 2-core VM (world 2, a 1 GiB Llama-shaped FSDP2 model,
-first call / warm), ext4 all 0.895 / 0.744 s against dst 0.931 / 0.883 s, tmpfs 0.73-0.87 /
-0.67-0.71 s against 0.72-0.87 / 0.66-0.79 s -- about even, the filesystem being the bound
-(two processes writing halves of one tmpfs file are not faster than one: the kernel takes
-the file's lock for each write) -- while dst holds 20 MiB instead of 48 MiB and nothing
-crosses the link. Across hosts "all" is the one that scales (``benchmarks/RESULTS.md``).
+first call / warm, three runs), ext4 all 0.81-0.94 / 0.72-0.89 s against dst 0.98-1.11 /
+0.88-1.02 s, tmpfs 0.86 / 0.64 s against 0.72 / 0.69 s -- near even, the filesystem being the
+bound (two processes writing halves of one tmpfs file are not faster than one: the kernel
+takes the file's lock for each write) -- while dst holds 22 MiB instead of 48 MiB and under
+600 KiB crosses the link. Across hosts "all" is the one that scales (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
