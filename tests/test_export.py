@@ -1919,3 +1919,30 @@ def test_an_owner_whose_disk_fills_while_writing_shared_blocks_fails_every_rank(
     assert sorted(os.listdir(out)) == ["model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == b"an earlier checkpoint"
     assert not [n for n in os.listdir(tmp_path) if "dext" in n]
+
+
+def _tiny_chunks(out):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(4)
+    state = {k: distribute_tensor(torch.randn(999, 77, generator=g), mesh, [Shard(0)])
+             for k in ("a", "b")}
+    writes = _recording_writes(
+        lambda: dx.export_hf_checkpoint(state, out, chunk_bytes=1000, writers="all"))
+    return _blocks_written(writes)
+
+
+def test_transport_chunks_under_a_block_still_give_each_block_one_writer(tmp_path):
+    # chunk_bytes=1000: the link's messages are 1000 bytes, but a rank's own runs are cut
+    # in whole blocks, so only their ends are shared (and each shared block has one writer).
+    out = tmp_path / "ckpt"
+    blocks = assert_all_ok(run_ranks(_tiny_chunks, 3, str(out)))
+    for a, b in itertools.combinations(range(3), 2):
+        assert not blocks[a] & blocks[b], (a, b)
+    data = (out / E.WEIGHTS_NAME).read_bytes()
+    assert len(set().union(*blocks)) == -(-len(data) // 4096)  # every block written
+    got = _read_checkpoint(out)
+    g = torch.Generator().manual_seed(4)
+    for k in ("a", "b"):
+        assert torch.equal(got[k], torch.randn(999, 77, generator=g)), k

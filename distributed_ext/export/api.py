@@ -242,7 +242,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         sink, prepared = parts["sink"], parts["prepared"]
         assert prepared is not None
         try:
-            failure = _write_data(state, prepared, sink, ctx, dst_rank, chunk, what)
+            failure = _write_data(state, prepared, sink, ctx, dst_rank, what)
         except _watch.PeerFailure as exc:
             if sink is not None:
                 sink.abort()

@@ -67,6 +67,7 @@ class _Prepared:
     # writers="all", a sender: the pieces it writes itself (their stager: start_local())
     local_messages: list[list[Segment]] = field(default_factory=list)
     local_pinned: _PinnedSlots | None = None
+    own_chunk: int = 0  # the size those are cut in (whole blocks)
     # writers="all", dst: its own long pieces (their middles written beside ``messages``)
     own_middles: list[list[Segment]] = field(default_factory=list)
     # writers="all": the fragments of shared blocks, and who writes them (:mod:`.edges`)
@@ -78,7 +79,7 @@ class _Prepared:
             self.pinned.release()
             self.pinned = None
 
-    def start_local(self, state: dict[str, torch.Tensor], chunk: int) -> _Stager:
+    def start_local(self, state: dict[str, torch.Tensor]) -> _Stager:
         """The host stager of the pieces this rank writes itself (``writers="all"``), made
         once the transfer is over: its pinned slot (for GPU bytes) is leased only then, when
         the transfer's slots are back in the pool, so the two never add up (at most three
@@ -88,8 +89,8 @@ class _Prepared:
             # Copied on this thread's stream: whatever other streams still compute into the
             # shards lands first (as in _transfer).
             torch.cuda.synchronize()
-            self.local_pinned = _PinnedSlots(1, chunk)
-        stager = _Stager(state, chunk, torch.device("cpu"), self.local_pinned)
+            self.local_pinned = _PinnedSlots(1, self.own_chunk)
+        stager = _Stager(state, self.own_chunk, torch.device("cpu"), self.local_pinned)
         stager.reserve(self.local_messages)
         return stager
 
@@ -136,6 +137,7 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     pairs = ((e, p) for e in entries for p in e.pieces)
     local_messages: list[list[Segment]] = []
     edge_plan = None
+    own_chunk = chunk
     if not local:
         if me == dst_rank:
             streams = plan_streams(pairs, chunk, world)
@@ -149,18 +151,22 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             if me == dst_rank or p.rank == me:  # dst plans every rank's pieces
                 (to_dst if _short(e, p) else written).append((e, p))
         assert layout is not None, "writers='all' needs the files' layout"
+        # The pieces a rank writes itself never cross the link: cut in whole blocks (a
+        # chunk_bytes under 4 KiB or not a multiple of it would share a block between two
+        # of its messages at every cut), so only a run's two ends are fragments.
+        own_chunk = -(-chunk // _direct_io.ALIGN) * _direct_io.ALIGN
         files = layout() if written else None
         offsets = None if files is None else files.bases
         if me == dst_rank:  # each sender's stream: its short pieces
             streams = plan_streams(to_dst, chunk, world)
-            held = plan_streams(written, chunk, world, offsets)
+            held = plan_streams(written, own_chunk, world, offsets)
             local_messages = held[me]
             fragments = [edge_segments(h, offsets, _direct_io.ALIGN) if h else [] for h in held]
             if any(fragments):
                 edge_plan = _edges.plan_on_dst(fragments, files, dst_rank)
         else:
             streams = [[] for _ in range(world)]
-            local_messages = plan_messages(written, chunk, offsets)
+            local_messages = plan_messages(written, own_chunk, offsets)
             streams[me] = plan_messages(to_dst, chunk)
             mine = edge_segments(local_messages, offsets, _direct_io.ALIGN) \
                 if local_messages else []
@@ -180,11 +186,12 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             stager.reserve(messages)
             prepared = _Prepared(messages, stager, pinned, gpu_shards)
             prepared.local_messages = local_messages  # written here: start_local()
+            prepared.own_chunk = own_chunk
             prepared.edges = edge_plan
             return prepared
         # Pinned slots: 0 for the own-pieces thread (GPU shards), 1 for received device chunks.
         if gpu_shards or on_device:
-            pinned = _PinnedSlots(2, chunk)
+            pinned = _PinnedSlots(2, max(chunk, own_chunk))
         stager = _Stager(state, chunk, torch.device("cpu"), pinned)
         stager.reserve(messages + own_long)
         prepared = _Prepared(messages, stager, pinned, gpu_shards)
@@ -343,7 +350,7 @@ def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
 
 
 def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
-                ctx: _agree.GroupContext, dst_rank: int, chunk: int, what: str
+                ctx: _agree.GroupContext, dst_rank: int, what: str
                 ) -> BaseException | None:
     """The data round on this rank: its messages to dst (:func:`_transfer`); with
     ``writers="all"`` then its own long runs written (a sender's), the shared blocks'
@@ -356,7 +363,7 @@ def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
         try:
             _transfer(state, prepared, sink, ctx, dst_rank, what)
             if prepared.local_messages:
-                _write_own(prepared.start_local(state, chunk), sink, prepared.local_messages,
+                _write_own(prepared.start_local(state), sink, prepared.local_messages,
                            middles=True)
         except _watch.PeerFailure:
             raise
