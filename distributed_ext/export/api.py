@@ -193,10 +193,11 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             if parts["sink"] is not None:
                 parts["sink"].abort()
 
-        def agreed(stage: str, step: Callable[[], None]) -> None:
-            """Runs ``step`` here and agrees its outcome; on any failure (on any rank) every
-            rank cleans up (:func:`release`) and raises."""
-            _agree.agree(what, ctx, step, stage=stage, cleanup=release)
+        def agreed(stage: str, step: Callable[[], Any]) -> list[_agree.Status]:
+            """Runs ``step`` here and agrees its outcome (every rank's status, with the fields
+            it returned); on any failure (on any rank) every rank cleans up
+            (:func:`release`) and raises."""
+            return _agree.agree(what, ctx, step, stage=stage, cleanup=release)
 
         def prepare() -> None:
             interrupted = deferred.take()  # one that landed in the metadata round fails here
@@ -225,17 +226,18 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                     parts["sink"] = make_sink(entries, model, stage)
                 return parts["sink"]
 
-            def join() -> None:
+            def join() -> tuple[int]:
                 nonlocal entries
                 if mode == "dst":  # (auto, where some rank does not see the files)
                     entries = plan(described, model, dst_rank, ctx.ranks, keep)
                 parts["prepared"] = _prepare_transfer(
                     state, entries, ctx, dst_rank, chunk, local=mode == "all",
                     layout=joined_layout)
+                return (int(parts["prepared"].edges is not None),)
 
-            agreed("preparing the writers", join)
-
-            if mode == "all":
+            # (Its status fields say whether any block is shared: dst's says so for all.)
+            shared = agreed("preparing the writers", join)[dst_rank].fields[0]
+            if shared:
                 agreed("preparing the shared blocks", lambda: _edges.prepare_round(
                     parts["prepared"].edges, parts["sink"], entries, state, ctx, dst_rank,
                     min(chunk, PACK_BYTES), what))
