@@ -1536,15 +1536,15 @@ def test_writers_must_be_auto_all_or_dst(tmp_path):
 ])
 def test_a_writers_middles_and_edges_cover_its_runs_once(shape, block, base):
     # What a joined writer writes itself (the aligned blocks inside each row of its
-    # messages) and what it sends to dst (edge_messages) cover each byte of its runs once,
+    # messages) and what goes to the blocks' owners (edge_segments) cover each byte of its runs once,
     # and no aligned block is in both; chunk-split rows included.
-    from distributed_ext.export.messages import _rows, aligned_middle, edge_messages
+    from distributed_ext.export.messages import _rows, aligned_middle, edge_segments, pack
 
     runs = E.block_runs(block, shape, 4)
     piece = E.Piece(1, block, block.numel * 4)
     entry = E.Entry("w", torch.float32, shape, [piece], index=0)
     messages = E.plan_messages([(entry, piece)], 24 * 4096)  # rows split mid-run
-    edges = edge_messages(messages, torch.tensor([base]), 4096, 2**20)
+    edges = pack(edge_segments(messages, torch.tensor([base]), 4096), 2**20)
     mine, sent = [], []
     rows = torch.cat([_rows(m) for m in messages]).tolist()
     for row in rows:
@@ -1587,7 +1587,7 @@ def test_one_rank_plans_only_what_concerns_it_at_a_simulated_world_of_1024():
 
     from distributed_ext.export import entries as export_entries
     from distributed_ext.export import pieces as export_pieces
-    from distributed_ext.export.messages import edge_messages
+    from distributed_ext.export.messages import edge_segments, pack
 
     world, n, me = 1024, 100_000, 5
     sig = export_entries.Signature("float32", (4096, 64), (("S", 0),), tuple(range(world)),
@@ -1605,7 +1605,7 @@ def test_one_rank_plans_only_what_concerns_it_at_a_simulated_world_of_1024():
     # The edges it would send dst were its pieces long (each entry's data after a header of
     # 4000 bytes: nothing aligned)
     bases = torch.arange(n, dtype=torch.int64) * (4096 * 64 * 4) + 4000
-    edges = edge_messages(messages, bases, 4096, 2**20)
+    edges = pack(edge_segments(messages, bases, 4096), 2**20)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     # (each 1 KiB piece inside one 4 KiB block: all of it one edge; 100 packed messages)
@@ -1708,7 +1708,7 @@ def test_replicated_blocks_are_split_between_their_holders_only_where_every_rank
 def test_a_writers_own_chunks_are_cut_where_the_file_is_aligned(base):
     # A rank's block of 1 MiB + 5 in messages of 64 KiB: cut at the file's 4 KiB boundaries
     # (the first message shorter), only the run's two ends share blocks with other runs.
-    from distributed_ext.export.messages import _rows, edge_messages
+    from distributed_ext.export.messages import _rows, edge_segments
 
     shape, block = (3000, 1000), E.Block((262, 0), (263, 1000))
     piece = E.Piece(1, block, block.numel * 4)
@@ -1719,12 +1719,12 @@ def test_a_writers_own_chunks_are_cut_where_the_file_is_aligned(base):
     assert sum(r[3] for r in rows) == piece.nbytes and max(r[3] for r in rows) <= 64 * 2**10
     start = base + 262 * 4000
     assert [(base + r[1]) % 4096 for r in rows[1:]] == [0] * (len(rows) - 1)  # aligned cuts
-    edges = [s for m in edge_messages(messages, bases, 4096, 2**20) for s in m]
+    edges = edge_segments(messages, bases, 4096)
     expected = [(-start) % 4096, (start + piece.nbytes) % 4096]
     assert [s[3] for s in edges] == [n for n in expected if n]
     # Cut every 64 KiB regardless of the file: a shared block at each cut too
     unaligned = E.plan_messages([(entry, piece)], 64 * 2**10)
-    more = [s for m in edge_messages(unaligned, bases, 4096, 2**20) for s in m]
+    more = edge_segments(unaligned, bases, 4096)
     assert base % 4096 == 0 or len(more) > len(edges) + 10
 
 

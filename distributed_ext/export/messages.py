@@ -66,7 +66,7 @@ def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int,
 
     ``bases`` (per entry index, the file offset of its data; for the pieces a rank writes
     itself): a one-run piece is cut where the file is aligned (``ALIGN``), its first message
-    shorter, so that no block is shared between two of its messages (:func:`edge_messages`).
+    shorter, so that no block is shared between two of its messages (:func:`edge_segments`).
     """
     return _plan(items, chunk, None, bases)[0]
 
@@ -174,8 +174,3 @@ def pack(segments: list[Segment], cap: int) -> list[list[Segment]]:
     starts = pack_bounds((s[3] for s in segments), cap)
     return [segments[a:b] for a, b in zip(starts, [*starts[1:], len(segments)])]
 
-
-def edge_messages(messages: list[list[Segment]], bases: torch.Tensor, align: int,
-                  cap: int) -> list[list[Segment]]:
-    """The :func:`edge_segments` of ``messages``, packed into messages of up to ``cap``."""
-    return pack(edge_segments(messages, bases, align), cap)

@@ -168,13 +168,24 @@ class FileSink:
 
     def write_middles(self, data: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes only the whole aligned blocks inside each row (a :func:`_rows` table) of
-        a rank's own long runs (``writers="all"``); the partial blocks at their ends are
-        written by their owners (:meth:`write_edges`)."""
+        a rank's own long runs (``writers="all"``; direct where the filesystem takes it);
+        the partial blocks at a row's ends are their owners' (:meth:`write_edges`; they get
+        their bytes: :func:`~distributed_ext.export.messages.edge_segments`, whose
+        :func:`aligned_middle` this computes per row)."""
         if not len(rows):
             return
         idx = rows[:, ROW_ENTRY]
-        self._write_middles(data, self._file_of[idx], self._base_of[idx] + rows[:, ROW_OFFSET],
-                            rows[:, ROW_AT], rows[:, ROW_NBYTES])
+        fid, offset = self._file_of[idx], self._base_of[idx] + rows[:, ROW_OFFSET]
+        at, n = rows[:, ROW_AT], rows[:, ROW_NBYTES]
+        align = _direct_io.ALIGN
+        lo = torch.minimum(n, torch.remainder(-offset, align))
+        hi = torch.maximum(lo, n - torch.remainder(offset + n, align))
+        for i in (hi > lo).nonzero().flatten().tolist():
+            file, a, b = self.files[int(fid[i])], int(lo[i]), int(hi[i])
+            start = int(at[i])
+            self._written.add(file)
+            with self._opened(file):
+                file.write(int(offset[i]) + a, data[start + a : start + b])
 
     def write_edges(self, data: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes fragments of the shared blocks this rank owns (rows of under a block
@@ -194,22 +205,6 @@ class FileSink:
             self._written.add(file)
             with self._opened(file):  # data is held by the caller until this returns
                 file.write_segments(table[fid == number])
-
-    def _write_middles(self, data: torch.Tensor, fid: torch.Tensor, offset: torch.Tensor,
-                       at: torch.Tensor, n: torch.Tensor) -> None:
-        """The whole aligned blocks of each row (direct where the filesystem takes it); the
-        partial blocks at a row's ends are their owners' (who get their bytes:
-        :func:`~distributed_ext.export.messages.edge_segments`, whose
-        :func:`aligned_middle` this computes per row)."""
-        align = _direct_io.ALIGN
-        lo = torch.minimum(n, torch.remainder(-offset, align))
-        hi = torch.maximum(lo, n - torch.remainder(offset + n, align))
-        for i in (hi > lo).nonzero().flatten().tolist():
-            file, a, b = self.files[int(fid[i])], int(lo[i]), int(hi[i])
-            start = int(at[i])
-            self._written.add(file)
-            with self._opened(file):
-                file.write(int(offset[i]) + a, data[start + a : start + b])
 
     @property
     def bases(self) -> torch.Tensor:
