@@ -18,7 +18,8 @@ The flow, on every rank of the group:
    the tensor, or whose conversion cannot be streamed.
 3. Preparing round: dst makes the files in a hidden stage beside the directory (or
    allocates the full tensors); a failure raises on every rank. With ``writers="all"``
-   (:mod:`.writers`) every rank then opens them to write its own long runs itself.
+   (:mod:`.writers`) every rank then opens them to write its own long runs itself, and
+   dst tells each rank who writes the blocks its runs share with others' (:mod:`.edges`).
 4. Data: each rank's pieces travel as the messages of :func:`plan_messages` -- large pieces
    in ``chunk_bytes`` pieces from their own memory, small ones packed by the compiled core --
    and dst writes each message to its places as it arrives (small runs in one native call per

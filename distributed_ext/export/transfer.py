@@ -1,6 +1,7 @@
 """The data round: every buffer allocated up front, then each sender's messages streamed to
 dst while dst writes its own pieces; a sender and dst's receiver are separate paths that
-run on their own ranks."""
+run on their own ranks. With every rank writing, each then writes its own long runs, and
+the blocks runs share go to their owners (:mod:`.edges`)."""
 
 from __future__ import annotations
 
