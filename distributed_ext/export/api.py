@@ -300,12 +300,12 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     each end of a run; dst plans who owns what and tells each rank in one preparing
     round). That needs a directory every rank sees as dst does (a shared filesystem, or
     one machine): dst writes a probe with a random token into its stage and every rank
-    reads it back. ``"dst"``: dst writes every byte (no shared
-    filesystem needed). ``"auto"`` (default): ``"all"`` where every rank sees the directory
-    (one host's local disk included), else ``"dst"``; ``"all"`` where some rank does not see
-    it is a ValueError on every rank naming those ranks. Pieces of short runs (small
-    tensors, ``Shard(1)`` rows) go to dst either way, which assembles them into whole
-    regions. Same files, byte for byte, either way.
+    reads it back. ``"dst"``: dst writes every byte (no shared filesystem needed).
+    ``"auto"`` (default): ``"all"`` where every rank sees the directory (one host's local
+    disk included), else ``"dst"``; ``"all"`` where some rank does not see it is a
+    ValueError on every rank naming those ranks. Pieces of short runs (small tensors,
+    ``Shard(1)`` rows) go to dst either way, which assembles them into whole regions. Same
+    files, byte for byte, either way.
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two
