@@ -1946,3 +1946,44 @@ def test_transport_chunks_under_a_block_still_give_each_block_one_writer(tmp_pat
     g = torch.Generator().manual_seed(4)
     for k in ("a", "b"):
         assert torch.equal(got[k], torch.randn(999, 77, generator=g)), k
+
+
+@pytest.mark.parametrize("chunk", [64 * 2**10, 3 * 2**20])
+def test_dst_computes_every_ranks_fragments_as_that_rank_does(chunk):
+    # One process: dst's fragment tables for the other ranks (computed from their pieces,
+    # most at once) equal what each rank computes from its own messages, row for row in
+    # the canonical order the destinations are given in -- Shard(0) blocks of one run,
+    # column blocks of many runs (small and over a chunk), a tiny tensor inside one block.
+    from distributed_ext.export import edges
+    from distributed_ext.export.messages import edge_segments
+
+    world = 3
+    shapes = {"rows": (3001, 700), "cols": (1500, 2000), "tiny": (5, 7), "wide": (96, 40000)}
+    entries, written = [], []
+    base = 333
+    bases = []
+    for key, shape in shapes.items():
+        e = E.Entry(key, torch.float32, shape, index=len(entries))
+        for r in range(world):
+            if key == "cols":  # column blocks: one run per row
+                w = shape[1] // world
+                block = E.Block((0, r * w), (shape[0], w if r < world - 1 else shape[1] - r * w))
+            else:
+                per = -(-shape[0] // world)
+                a, b = min(r * per, shape[0]), min((r + 1) * per, shape[0])
+                block = E.Block((a, 0), (b - a, shape[1]))
+            if block.numel:
+                p = E.Piece(r, block, block.numel * 4)
+                e.pieces.append(p)
+                written.append((e, p))
+        entries.append(e)
+        bases.append(base)
+        base += e.nbytes
+    bases = torch.tensor(bases)
+    got = edges.fragment_tables(written, -1, world, bases, chunk)
+    for r in range(world):
+        mine = [(e, p) for e, p in written if p.rank == r]
+        own = edge_segments(E.plan_messages(mine, chunk, bases), bases, 4096)
+        expected = edges.fragment_table(own)
+        assert len(expected) > 2
+        assert torch.equal(got[r][:, [0, 1, 3]], expected[:, [0, 1, 3]]), r

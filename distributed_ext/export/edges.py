@@ -17,6 +17,7 @@ deadlocks, whatever the pattern, and holds one message (up to ``cap``, 1 MiB) pe
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,15 @@ import torch.distributed as dist
 
 from distributed_ext import _agree, _direct_io, _watch
 from distributed_ext.export import owners as _owners
-from distributed_ext.export.messages import Segment, _rows, pack, pack_bounds
+from distributed_ext.export.messages import (
+    Segment,
+    _rows,
+    aligned_middles,
+    edge_segments,
+    pack,
+    pack_bounds,
+    plan_messages,
+)
 from distributed_ext.export.pieces import Entry
 from distributed_ext.export.stager import _Stager
 
@@ -53,22 +62,78 @@ class EdgePlan:
     stager: _Stager | None = None
 
 
+def _canonical(rows: torch.Tensor) -> torch.Tensor:
+    """The order of a fragment table's rows by (entry, offset): the order in which a rank's
+    destinations are given, computed alike by the rank (from its messages) and dst (from
+    its pieces), whatever order each made them in."""
+    key = rows[:, _owners.F_ENTRY] * 2**40 + rows[:, _owners.F_OFFSET]
+    return torch.sort(key, stable=True).indices
+
+
 def fragment_table(fragments: list[Segment]) -> torch.Tensor:
-    """The fragment table of ``fragments`` (one row each: each lies inside one run)."""
+    """The fragment table of ``fragments`` (one row each: each lies inside one run), in
+    canonical order (:func:`_canonical`); ``fragments`` is put in the same order, in place."""
     rows = _rows(fragments)
     assert len(rows) == len(fragments), "a fragment spans runs"
-    return rows
+    order = _canonical(rows)
+    fragments[:] = [fragments[i] for i in order.tolist()]
+    return rows[order]
 
 
-def plan_on_dst(per_rank: list[list[Segment]], layout: Any, dst_rank: int) -> EdgePlan:
-    """dst's :class:`EdgePlan`, with every other rank's tables to deliver; ``per_rank``:
-    every rank's fragments; ``layout``: the files (a sink's ``file_of``, ``bases``,
-    ``sizes``)."""
-    tables = [fragment_table(f) for f in per_rank]
+def fragment_tables(written: list[tuple[Entry, Any]], skip: int, world: int,
+                    bases: torch.Tensor | None, chunk: int) -> list[torch.Tensor]:
+    """Every rank's fragment table (but ``skip``'s: dst's own, made from its messages),
+    from the long pieces each writes (``written``, in plan order) -- on dst, which plans
+    them all. A piece of one run (a Shard(0) block: nearly all) has its fragments at its
+    run's two ends whatever its messages (they are cut where the file is aligned), so they
+    are computed for all such pieces at once; a piece of many runs (a transposed block) from
+    its messages (:func:`.messages.edge_segments`), which are its own (``chunk``)."""
+    empty = torch.empty((0, 4), dtype=torch.int64)
+    if not written or bases is None:
+        return [empty] * world
+    rank, index, start, nbytes = (array.array("q") for _ in range(4))
+    many: list[list[tuple[Entry, Any]]] = [[] for _ in range(world)]
+    for e, p in written:
+        r = p.rank
+        if r == skip:
+            continue
+        runs = p.runs(e)
+        if runs.counts:
+            many[r].append((e, p))
+        else:
+            rank.append(r)
+            index.append(e.index)
+            start.append(runs.base)
+            nbytes.append(p.nbytes)
+    out = [empty] * world
+    if len(rank):
+        r, i, a, n = (torch.frombuffer(x, dtype=torch.int64) for x in (rank, index, start, nbytes))
+        lo, hi = aligned_middles(bases[i] + a, n, _direct_io.ALIGN)
+        zero = torch.zeros_like(n)
+        heads = torch.stack((i, a, zero, lo), 1)[lo > 0]
+        tails = torch.stack((i, a + hi, zero, n - hi), 1)[hi < n]
+        rows = torch.cat((heads, tails))
+        owner = torch.cat((r[lo > 0], r[hi < n]))
+        for q in torch.unique(owner).tolist():
+            out[q] = rows[owner == q]
+    for q, pieces in enumerate(many):
+        if pieces:
+            extra = _rows(edge_segments(plan_messages(pieces, chunk, bases), bases,
+                                        _direct_io.ALIGN))
+            out[q] = torch.cat((out[q], extra))
+    return [t[_canonical(t)] for t in out]
+
+
+def plan_on_dst(mine: list[Segment], tables: list[torch.Tensor], layout: Any,
+                dst_rank: int) -> EdgePlan:
+    """dst's :class:`EdgePlan` (``mine``: its own fragments, in the order of
+    ``tables[dst_rank]``), with every other rank's tables to deliver; ``tables``: every
+    rank's fragment table, canonical; ``layout``: the files (a sink's ``file_of``,
+    ``bases``, ``sizes``)."""
     dests = _owners.plan_owners(tables, layout.file_of, layout.bases, layout.sizes, dst_rank,
                                 _direct_io.ALIGN)
     receipts = _owners.plan_receipts(tables, dests)
-    plan = EdgePlan(per_rank[dst_rank], tables[dst_rank], dests[dst_rank], receipts[dst_rank])
+    plan = EdgePlan(mine, tables[dst_rank], dests[dst_rank], receipts[dst_rank])
     for r, rows in enumerate(tables):
         if r != dst_rank and len(rows):
             plan.tables[r] = (dests[r], receipts[r])

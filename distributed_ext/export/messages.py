@@ -130,6 +130,13 @@ def aligned_middle(offset: int, n: int, align: int) -> tuple[int, int]:
     return lo, max(lo, n - (offset + n) % align)
 
 
+def aligned_middles(offset: torch.Tensor, n: torch.Tensor, align: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`aligned_middle` of many runs at once (int64 vectors)."""
+    lo = torch.minimum(n, torch.remainder(-offset, align))
+    return lo, torch.maximum(lo, n - torch.remainder(offset + n, align))
+
+
 def edge_segments(messages: list[list[Segment]], bases: torch.Tensor,
                   align: int) -> list[Segment]:
     """The edges of a writer's own runs: the bytes of the blocks they share with other runs,

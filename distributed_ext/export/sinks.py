@@ -17,7 +17,13 @@ import torch
 import torch.nn as nn
 
 from distributed_ext import _direct_io, _native
-from distributed_ext.export.messages import ROW_AT, ROW_ENTRY, ROW_NBYTES, ROW_OFFSET
+from distributed_ext.export.messages import (
+    ROW_AT,
+    ROW_ENTRY,
+    ROW_NBYTES,
+    ROW_OFFSET,
+    aligned_middles,
+)
 from distributed_ext.export.pieces import Entry
 from distributed_ext.export.publish import Stage, _config_texts, _fsync_path, _write_file
 from distributed_ext.export.safetensors import INDEX_NAME, WEIGHTS_NAME, safetensors_header
@@ -170,16 +176,13 @@ class FileSink:
         """Writes only the whole aligned blocks inside each row (a :func:`_rows` table) of
         a rank's own long runs (``writers="all"``; direct where the filesystem takes it);
         the partial blocks at a row's ends are their owners' (:meth:`write_edges`; they get
-        their bytes: :func:`~distributed_ext.export.messages.edge_segments`, whose
-        :func:`aligned_middle` this computes per row)."""
+        their bytes: :func:`~distributed_ext.export.messages.edge_segments`)."""
         if not len(rows):
             return
         idx = rows[:, ROW_ENTRY]
         fid, offset = self._file_of[idx], self._base_of[idx] + rows[:, ROW_OFFSET]
         at, n = rows[:, ROW_AT], rows[:, ROW_NBYTES]
-        align = _direct_io.ALIGN
-        lo = torch.minimum(n, torch.remainder(-offset, align))
-        hi = torch.maximum(lo, n - torch.remainder(offset + n, align))
+        lo, hi = aligned_middles(offset, n, _direct_io.ALIGN)
         for i in (hi > lo).nonzero().flatten().tolist():
             file, a, b = self.files[int(fid[i])], int(lo[i]), int(hi[i])
             start = int(at[i])

@@ -159,11 +159,14 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         offsets = None if files is None else files.bases
         if me == dst_rank:  # each sender's stream: its short pieces
             streams = plan_streams(to_dst, chunk, world)
-            held = plan_streams(written, own_chunk, world, offsets)
-            local_messages = held[me]
-            fragments = [edge_segments(h, offsets, _direct_io.ALIGN) if h else [] for h in held]
-            if any(fragments):
-                edge_plan = _edges.plan_on_dst(fragments, files, dst_rank)
+            local_messages = plan_messages(((e, p) for e, p in written if p.rank == me),
+                                           own_chunk, offsets)
+            mine = edge_segments(local_messages, offsets, _direct_io.ALIGN)
+            # The others' fragments: tables only (dst reads none of their bytes).
+            tables = _edges.fragment_tables(written, me, world, offsets, own_chunk)
+            tables[me] = _edges.fragment_table(mine)
+            if any(len(t) for t in tables):
+                edge_plan = _edges.plan_on_dst(mine, tables, files, dst_rank)
         else:
             streams = [[] for _ in range(world)]
             local_messages = plan_messages(written, own_chunk, offsets)
