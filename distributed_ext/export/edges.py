@@ -46,7 +46,7 @@ _ABANDONED: list[Any] = []
 class EdgePlan:
     """One rank's fragments and, once known, their destinations and its receipts."""
 
-    fragments: list[Segment]  # this rank's, in order
+    fragments: list[Segment]  # this rank's, in canonical order (:func:`_canonical`)
     rows: torch.Tensor  # their fragment table (:mod:`.owners`)
     dests: torch.Tensor | None = None  # the owner of each; dst: known when planned
     receipts: torch.Tensor | None = None  # what this rank receives (a receipt table)
@@ -168,8 +168,9 @@ def deliver(plan: EdgePlan | None, ctx: _agree.GroupContext, dst_rank: int, layo
         dist.irecv(head, ctx.ranks[dst_rank], group=ctx.group).wait()
         head = head.cpu()
         count = int(head[0])
-        # A receipt is a fragment of a block this rank owns, which holds at most two runs'
-        # ends besides its own: a count beyond that is malformed (never allocated).
+        # A receipt is a fragment of a block this rank owns and keeps a fragment of; a
+        # block holds at most four (two runs' ends, each split once by a message cut): a
+        # count beyond that is malformed (never allocated).
         if not 0 <= count <= 4 * len(plan.fragments):
             raise ValueError(f"{what}: dst announced {count} fragments to receive for "
                              f"{len(plan.fragments)} of this rank's own (at most four each)")
