@@ -27,7 +27,11 @@ import torch.distributed as dist
 from distributed_ext import _agree, _direct_io, _watch
 from distributed_ext.export import owners as _owners
 from distributed_ext.export.messages import (
+    ROW_ENTRY,
+    ROW_NBYTES,
+    ROW_OFFSET,
     Segment,
+    _message_nbytes,
     _rows,
     aligned_middles,
     edge_segments,
@@ -66,7 +70,7 @@ def _canonical(rows: torch.Tensor) -> torch.Tensor:
     """The order of a fragment table's rows by (entry, offset): the order in which a rank's
     destinations are given, computed alike by the rank (from its messages) and dst (from
     its pieces), whatever order each made them in."""
-    key = rows[:, _owners.F_ENTRY] * 2**40 + rows[:, _owners.F_OFFSET]
+    key = rows[:, ROW_ENTRY] * 2**40 + rows[:, ROW_OFFSET]
     return torch.sort(key, stable=True).indices
 
 
@@ -222,20 +226,24 @@ def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch
             tables.append(torch.stack((mine[a:b, _owners.R_ENTRY], mine[a:b, _owners.R_OFFSET],
                                        at, n[a:b]), 1))
         plan.incoming[r] = tables
-    biggest = max([int(t[:, 3].sum()) for ts in plan.incoming.values() for t in ts]
-                  + [sum(s[3] for s in m) for ms in plan.outgoing.values() for m in ms]
-                  + [sum(s[3] for s in m) for m in plan.kept] + [0])
     for r, ms in plan.outgoing.items():
-        plan.send_bufs[r] = torch.empty(max(sum(s[3] for s in m) for m in ms),
-                                        dtype=torch.uint8, device=link)
+        plan.send_bufs[r] = torch.empty(max(map(_message_nbytes, ms)), dtype=torch.uint8,
+                                        device=link)
     for r, ts in plan.incoming.items():
-        plan.recv_bufs[r] = torch.empty(max(int(t[:, 3].sum()) for t in ts),
-                                        dtype=torch.uint8, device=link)
+        plan.recv_bufs[r] = torch.empty(max(map(_table_nbytes, ts)), dtype=torch.uint8,
+                                        device=link)
+    biggest = max([len(b) for b in [*plan.send_bufs.values(), *plan.recv_bufs.values()]]
+                  + [_message_nbytes(m) for m in plan.kept] + [0])
     if link.type == "cuda" and biggest:
         plan.host = torch.empty(biggest, dtype=torch.uint8)
     stager = _Stager(state, max(cap, biggest), link, None)
     stager.reserve([m for ms in plan.outgoing.values() for m in ms] + plan.kept)
     plan.stager = stager
+
+
+def _table_nbytes(rows: torch.Tensor) -> int:
+    """The bytes of the message a row table describes."""
+    return int(rows[:, ROW_NBYTES].sum())
 
 
 def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> None:
@@ -282,7 +290,7 @@ def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> 
                     ops.append((dist.isend, buf, ctx.ranks[r]))
             for r, ts in plan.incoming.items():
                 if k < len(ts):
-                    buf = plan.recv_bufs[r][: int(ts[k][:, 3].sum())]
+                    buf = plan.recv_bufs[r][: _table_nbytes(ts[k])]
                     ops.append((dist.irecv, buf, ctx.ranks[r]))
                     landed.append((buf, ts[k]))
             done = False

@@ -18,21 +18,19 @@ from __future__ import annotations
 
 import torch
 
-# Columns of a fragment table (one row per fragment, as :func:`..messages._rows` makes them):
-# the entry index, the offset in the written tensor, (the offset in a message), the bytes.
-F_ENTRY, F_OFFSET, F_AT, F_NBYTES = range(4)
+# A fragment table is a row table of :mod:`.messages` (one row per fragment, columns
+# ``ROW_ENTRY``, ``ROW_OFFSET``, ``ROW_AT`` (unused here), ``ROW_NBYTES``).
+from distributed_ext.export.messages import ROW_ENTRY, ROW_NBYTES, ROW_OFFSET
 
 # Columns of a receipt table: the rank that sends the fragment, then the fragment's entry
 # index, its offset in the written tensor and its bytes.
 R_SOURCE, R_ENTRY, R_OFFSET, R_NBYTES = range(4)
 
 
-def block_keys(rows: torch.Tensor, file_of: torch.Tensor, bases: torch.Tensor,
-               align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(file number, block index)`` of each fragment of a table (each lies in one)."""
-    entry = rows[:, F_ENTRY]
-    return file_of[entry], torch.div(bases[entry] + rows[:, F_OFFSET], align,
-                                     rounding_mode="floor")
+def block_keys(entry: torch.Tensor, offset: torch.Tensor, file_of: torch.Tensor,
+               bases: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(file number, block index)`` of the bytes at ``offset`` of each ``entry``."""
+    return file_of[entry], torch.div(bases[entry] + offset, align, rounding_mode="floor")
 
 
 def plan_owners(fragments: list[torch.Tensor], file_of: torch.Tensor, bases: torch.Tensor,
@@ -57,8 +55,8 @@ def plan_owners(fragments: list[torch.Tensor], file_of: torch.Tensor, bases: tor
         return [torch.empty(0, dtype=torch.int64) for _ in fragments]
     rows = torch.cat(fragments)
     rank = torch.repeat_interleave(torch.arange(world), torch.tensor(counts))
-    fid, block = block_keys(rows, file_of, bases, align)
-    n = rows[:, F_NBYTES]
+    fid, block = block_keys(rows[:, ROW_ENTRY], rows[:, ROW_OFFSET], file_of, bases, align)
+    n = rows[:, ROW_NBYTES]
     # Dense block ids (a block's key would not fit with the rank in one int64 at 10k files).
     key = fid * (max(sizes) // align + 1) + block
     blocks, which = torch.unique(key, return_inverse=True)
@@ -100,7 +98,7 @@ def plan_receipts(fragments: list[torch.Tensor], dests: list[torch.Tensor]
     moving = to != src
     rows, src, to = rows[moving], src[moving], to[moving]
     order = torch.sort(to * world + src, stable=True).indices
-    table = torch.cat((src[order, None], rows[order][:, [F_ENTRY, F_OFFSET, F_NBYTES]]), 1)
+    table = torch.cat((src[order, None], rows[order][:, [ROW_ENTRY, ROW_OFFSET, ROW_NBYTES]]), 1)
     return list(torch.split(table, torch.bincount(to, minlength=world).tolist()))
 
 
@@ -132,9 +130,9 @@ def check_tables(dests: torch.Tensor, receipts: torch.Tensor, rows: torch.Tensor
             torch.div(start + n - 1, align, rounding_mode="floor")
     if not bool(bad.any()):
         # The blocks this rank owns: those of its own fragments it keeps (dense keys).
-        fid, block = block_keys(rows[dests == me], file_of, bases, align)
-        rfid, rblock = block_keys(receipts[:, [R_ENTRY, R_OFFSET, R_SOURCE, R_NBYTES]],
-                                  file_of, bases, align)
+        kept = rows[dests == me]
+        fid, block = block_keys(kept[:, ROW_ENTRY], kept[:, ROW_OFFSET], file_of, bases, align)
+        rfid, rblock = block_keys(entry, offset, file_of, bases, align)
         scale = int(torch.cat((block, rblock)).max()) + 1
         owned = torch.unique(fid * scale + block)
         keys = rfid * scale + rblock

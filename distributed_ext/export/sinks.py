@@ -73,8 +73,8 @@ class FileSink:
         bytes into (``writers="all"``); it neither creates, nor publishes, nor removes them."""
         # The configs: serialized by dst, which writes them (a joined writer never does).
         self.texts = _config_texts(model) if join is None else {}
-        # A joined writer writes only the aligned blocks inside its runs (see write_batch),
-        # and makes durable only the files it wrote to.
+        # A joined writer writes only the aligned blocks inside its runs (write_middles) and
+        # the shared blocks it owns (write_edges), and makes durable only the files it wrote.
         self.joined = join is not None
         self._written: set[_direct_io.DirectFile] = set()
         self.stage = Stage(directory) if join is None else None
