@@ -65,12 +65,11 @@ class _Prepared:
     # dst only: each sender's messages still to receive, and its free receive buffers
     plans: dict[int, collections.deque] = field(default_factory=dict)
     free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    # writers="all", a sender: the pieces it writes itself (their stager: start_local())
+    # writers="all": the long pieces this rank writes itself (their middles): dst's beside
+    # ``messages`` while it receives, a sender's after its transfer (stager: start_local())
     local_messages: list[list[Segment]] = field(default_factory=list)
     local_pinned: _PinnedSlots | None = None
     own_chunk: int = 0  # the size those are cut in (whole blocks)
-    # writers="all", dst: its own long pieces (their middles written beside ``messages``)
-    own_middles: list[list[Segment]] = field(default_factory=list)
     # writers="all": the fragments of shared blocks, and who writes them (:mod:`.edges`)
     edges: _edges.EdgePlan | None = None
 
@@ -119,15 +118,14 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     ``ctx`` None: one process, no link.
 
     ``local`` (``writers="all"``): every rank, dst included, writes the whole aligned
-    blocks of the long runs it holds itself (a sender's :attr:`_Prepared.local_messages`,
-    through :meth:`_Prepared.start_local` after its transfer; dst's
-    :attr:`_Prepared.own_middles`, beside its own short pieces while it receives: measured,
-    1 GiB at world 2 on ext4, 0.65-0.69 s a call against 0.93-1.14 s written after);
-    what travels to dst is the pieces of short runs (:func:`_short`), which it assembles
-    into regions. The bytes of blocks that runs share (their fragments:
-    :func:`edge_segments`) go to each block's owner, the holder of most of its bytes
-    (:attr:`_Prepared.edges`; planned by dst, which sees every rank's pieces: :mod:`.edges`),
-    so that each block of the files has exactly one writer. ``layout()``: the files (a
+    blocks of the long runs it holds itself (:attr:`_Prepared.local_messages`: a sender's
+    through :meth:`_Prepared.start_local` after its transfer; dst's beside its own short
+    pieces while it receives: measured, 1 GiB at world 2 on ext4, 0.65-0.69 s a call
+    against 0.93-1.14 s written after); what travels to dst is the pieces of short runs
+    (:func:`_short`), which it assembles into regions. The bytes of blocks that runs share
+    (their fragments: :func:`edge_segments`) go to each block's owner, the holder of most of
+    its bytes (:attr:`_Prepared.edges`; planned by dst, which sees every rank's pieces:
+    :mod:`.edges`), so that each block of the files has exactly one writer. ``layout()``: the files (a
     sink: each entry's file and offset), asked only where there are long pieces."""
     me = 0 if ctx is None else ctx.rank
     link = torch.device("cpu") if ctx is None else ctx.device
@@ -157,11 +155,12 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         own_chunk = -(-chunk // _direct_io.ALIGN) * _direct_io.ALIGN
         files = layout() if written else None
         offsets = None if files is None else files.bases
+        local_messages = plan_messages(((e, p) for e, p in written if p.rank == me),
+                                       own_chunk, offsets)
+        mine = edge_segments(local_messages, offsets, _direct_io.ALIGN) \
+            if offsets is not None else []
         if me == dst_rank:  # each sender's stream: its short pieces
             streams = plan_streams(to_dst, chunk, world)
-            local_messages = plan_messages(((e, p) for e, p in written if p.rank == me),
-                                           own_chunk, offsets)
-            mine = edge_segments(local_messages, offsets, _direct_io.ALIGN)
             # The others' fragments: tables only (dst reads none of their bytes).
             tables = _edges.fragment_tables(written, me, world, offsets, own_chunk)
             tables[me] = _edges.fragment_table(mine)
@@ -169,16 +168,12 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
                 edge_plan = _edges.plan_on_dst(mine, tables, files, dst_rank)
         else:
             streams = [[] for _ in range(world)]
-            local_messages = plan_messages(written, own_chunk, offsets)
             streams[me] = plan_messages(to_dst, chunk)
-            mine = edge_segments(local_messages, offsets, _direct_io.ALIGN) \
-                if local_messages else []
             if mine:
                 edge_plan = _edges.EdgePlan(mine, _edges.fragment_table(mine))
     messages = streams[me]
     # dst writes its own long pieces' middles beside its short ones, while it receives.
-    own_long = local_messages if me == dst_rank else []
-    gpu_shards = _needs_pinned(state, messages + own_long)  # any on a GPU
+    gpu_shards = _needs_pinned(state, messages + (local_messages if me == dst_rank else []))
     pinned = None
     prepared = None
     try:
@@ -196,9 +191,9 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         if gpu_shards or on_device:
             pinned = _PinnedSlots(2, max(chunk, own_chunk))
         stager = _Stager(state, chunk, torch.device("cpu"), pinned)
-        stager.reserve(messages + own_long)
+        stager.reserve(messages + local_messages)
         prepared = _Prepared(messages, stager, pinned, gpu_shards)
-        prepared.own_middles, prepared.edges = own_long, edge_plan
+        prepared.local_messages, prepared.edges = local_messages, edge_plan
         for r, planned in enumerate(streams):
             if r == me or not planned:
                 continue
@@ -293,7 +288,7 @@ def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
                 torch.cuda.set_device(ctx.device)
             try:
                 _write_own(prepared.stager, sink, prepared.messages)
-                _write_own(prepared.stager, sink, prepared.own_middles, middles=True)
+                _write_own(prepared.stager, sink, prepared.local_messages, middles=True)
             except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
                 failures.append(exc)
 
@@ -365,7 +360,7 @@ def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
     try:
         try:
             _transfer(state, prepared, sink, ctx, dst_rank, what)
-            if prepared.local_messages:
+            if prepared.local_messages and ctx.rank != dst_rank:  # (dst's: in _transfer)
                 _write_own(prepared.start_local(state), sink, prepared.local_messages,
                            middles=True)
         except _watch.PeerFailure:
