@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -1772,6 +1773,8 @@ def test_a_shared_block_is_owned_by_the_holder_of_most_of_its_bytes():
         [[0, 0, 41860 - 50, 100]],  # past the entry's end
         [[0, 0, 40960 - 100, 4096]],  # a block or more
         [[0, 0, 4 * 4096 + 4000 - 100, 200]],  # across two blocks
+        got.flip(0).tolist(),  # not grouped by sender in rank order
+        [[1, 0, 4 * 4096 + 3096 - 100, 500], [1, 0, 4 * 4096 + 3096 - 100, 500]],  # twice
     ]:
         with pytest.raises(ValueError, match="is not a fragment of a block this rank owns"):
             owners.check_tables(dests[2], torch.tensor(bad), frags[2], 2, 3, nbytes, file_of,
@@ -1855,18 +1858,22 @@ def test_every_shared_block_is_written_by_the_holder_of_most_of_its_bytes(tmp_pa
     assert [v[1] for v in values] == expected_sent, ([v[1] for v in values], expected_sent)
 
 
-def _corrupt_table(out):
-    if dist.get_rank() == 0:  # dst tells rank 1 to send a fragment to a rank 5 of 2
-        from distributed_ext.export import edges
+def _corrupt_table(out, how):
+    from distributed_ext.export import edges
 
-        real = edges._owners.plan_owners
+    if how == "dests":  # every rank, planning owners, sends rank 1 a destination 5 of 2
+        real = edges._owners.plan_dealt
 
         def corrupt(*args):
-            got = real(*args)
-            got[1][0] = 5
-            return got
+            dests, receipts, fault = real(*args)
+            if len(dests[1]):
+                dests[1][0] = 5
+            return dests, receipts, fault
 
-        edges._owners.plan_owners = corrupt
+        edges._owners.plan_dealt = corrupt
+    elif dist.get_rank() == 1:  # rank 1 deals its fragments' rows to the wrong ranks
+        real_deal = edges._owners.coordinators
+        edges._owners.coordinators = lambda *args: (real_deal(*args) + 1) % 2
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -1875,15 +1882,23 @@ def _corrupt_table(out):
     return _export_then_use_the_group(state, out, 2**20, "all")
 
 
-def test_a_malformed_table_of_shared_blocks_is_refused_on_every_rank(tmp_path):
+@pytest.mark.parametrize("how", ["dests", "dealt"])
+def test_a_malformed_table_of_shared_blocks_is_refused_on_every_rank(tmp_path, how):
+    # What the ranks send each other to agree the owners is checked where it arrives: a
+    # destination that is no rank, a row sent to a rank its block is not dealt to. Every
+    # rank raises (naming the rank at fault), the group is usable after, nothing is left.
     out = tmp_path / "ckpt"
-    values = assert_all_ok(run_ranks(_corrupt_table, 2, str(out)))
-    assert values[1][0][:2] == ("raised", "ValueError"), values[1]
-    assert "the table of shared blocks from dst (rank 0) is malformed: destination 5 of " \
-        "fragment 0 is not a group rank (0..1)" in \
-        values[1][0][2], values[1]
-    assert values[0][0][0] == "raised" and "rank 1 failed with ValueError" in values[0][0][2], \
-        values[0]
+    values = assert_all_ok(run_ranks(_corrupt_table, 2, str(out), how))
+    assert all(v[0][:2] == ("raised", "ValueError") or
+               (v[0][:2] == ("raised", "RuntimeError") and "failed with ValueError" in v[0][2])
+               for v in values), values
+    if how == "dests":
+        assert re.search(r"the owners of shared blocks planned by rank [01] are malformed: "
+                         r"destination 5 of fragment 0 is not a group rank \(0\.\.1\)",
+                         values[1][0][2]), values[1]
+    else:
+        assert any("rank 1 sent a malformed fragment: row 0 (entry, offset, nbytes) "
+                   in v[0][2] for v in values), values
     assert all(after == 2 for _first, after in values)
     assert not out.exists() and not [n for n in os.listdir(tmp_path) if "dext" in n]
 
@@ -1948,24 +1963,22 @@ def test_transport_chunks_under_a_block_still_give_each_block_one_writer(tmp_pat
         assert torch.equal(got[k], torch.randn(999, 77, generator=g)), k
 
 
-@pytest.mark.parametrize("chunk", [64 * 2**10, 3 * 2**20])
-def test_dst_computes_every_ranks_fragments_as_that_rank_does(chunk):
-    # One process: dst's fragment tables for the other ranks (computed from their pieces,
-    # most at once) equal what each rank computes from its own messages, row for row in
-    # the canonical order the destinations are given in -- Shard(0) blocks of one run,
-    # column blocks of many runs (small and over a chunk), a tiny tensor inside one block.
-    from distributed_ext.export import edges
+@pytest.mark.parametrize("world", [3, 5])
+def test_owners_planned_by_the_ranks_blocks_are_dealt_to_equal_one_plan_of_them_all(world):
+    # One process: the ranks' fragments (Shard(0) runs of two entries sharing one list of
+    # pieces at different alignments, column blocks of many long runs, a file's end), dealt
+    # out by block; each rank's plan of what it was dealt, put together, equals the plan of
+    # every fragment at once (owners, and receipts row for row in their order), and each
+    # rank plans only a part of them.
+    from distributed_ext.export import edges, owners, transfer
     from distributed_ext.export.messages import edge_segments
 
-    world = 3
-    shapes = {"rows": (3001, 700), "cols": (1500, 2000), "tiny": (5, 7), "wide": (96, 40000)}
-    entries, written = [], []
-    base = 333
-    bases = []
+    shapes = {"rows": (3001, 700), "long_cols": (40, 60000), "tail": (777, 333)}
+    entries, bases, base = [], [], 4000
     for key, shape in shapes.items():
         e = E.Entry(key, torch.float32, shape, index=len(entries))
         for r in range(world):
-            if key == "cols":  # column blocks: one run per row
+            if key == "long_cols":
                 w = shape[1] // world
                 block = E.Block((0, r * w), (shape[0], w if r < world - 1 else shape[1] - r * w))
             else:
@@ -1973,17 +1986,60 @@ def test_dst_computes_every_ranks_fragments_as_that_rank_does(chunk):
                 a, b = min(r * per, shape[0]), min((r + 1) * per, shape[0])
                 block = E.Block((a, 0), (b - a, shape[1]))
             if block.numel:
-                p = E.Piece(r, block, block.numel * 4)
-                e.pieces.append(p)
-                written.append((e, p))
+                e.pieces.append(E.Piece(r, block, block.numel * 4))
         entries.append(e)
         bases.append(base)
         base += e.nbytes
-    bases = torch.tensor(bases)
-    got = edges.fragment_tables(written, -1, world, bases, chunk)
+        if key == "rows":  # shares its list of pieces, as FSDP2's keys do
+            entries.append(E.Entry("rows2", torch.float32, shape, e.pieces,
+                                   index=len(entries)))
+            bases.append(base + 100)
+            base += e.nbytes + 100
+    bases, file_of, sizes = torch.tensor(bases), torch.zeros(len(entries), dtype=torch.int64), [base]
+    nbytes = torch.tensor([e.nbytes for e in entries])
+    tables = []
     for r in range(world):
-        mine = [(e, p) for e, p in written if p.rank == r]
-        own = edge_segments(E.plan_messages(mine, chunk, bases), bases, 4096)
-        expected = edges.fragment_table(own)
-        assert len(expected) > 2
-        assert torch.equal(got[r][:, [0, 1, 3]], expected[:, [0, 1, 3]]), r
+        mine = [(e, p) for e in entries for p in e.pieces
+                if p.rank == r and not transfer._short(e, p)]
+        own = edge_segments(E.plan_messages(mine, 2**20, bases), bases, 4096)
+        tables.append(edges.fragment_table(own))
+    assert all(len(t) > 2 for t in tables)
+    dests = owners.plan_owners(tables, file_of, bases, sizes, 0, 4096)
+    receipts = owners.plan_receipts(tables, dests)
+    # Dealt out: rank c gets, from each rank, its rows of the blocks dealt to c.
+    to = [owners.coordinators(t, file_of, bases, sizes, world, 4096) for t in tables]
+    got_dests = [torch.full((len(t),), -9) for t in tables]
+    got_receipts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for c in range(world):
+        received = [t[to[r] == c][:, [0, 1, 3]] for r, t in enumerate(tables)]
+        assert 0 < sum(map(len, received)) < sum(map(len, tables))  # a part of them
+        d, rec, fault = owners.plan_dealt(received, c, file_of, bases, sizes, nbytes, 0, 4096)
+        assert fault is None
+        for r in range(world):
+            got_dests[r][to[r] == c] = d[r]
+            got_receipts[r].append(rec[r])
+    for r in range(world):
+        assert torch.equal(got_dests[r], dests[r]), r
+        rec = torch.cat(got_receipts[r])
+        rec = rec[torch.sort(owners.order_key(rec[:, 1], rec[:, 2]), stable=True).indices]
+        rec = rec[torch.sort(rec[:, 0], stable=True).indices]
+        assert torch.equal(rec, receipts[r]), r
+    assert any(len(t) for t in receipts[1:])  # not every shared block is dst's
+    # A row dealt to the wrong rank, or past its entry's end, is refused by the rank it
+    # reaches: that sender's fragments all get destination -1.
+    wrong = [t[to[r] == 1][:, [0, 1, 3]] for r, t in enumerate(tables)]
+    d, _rec, fault = owners.plan_dealt(wrong, 0, file_of, bases, sizes, nbytes, 0, 4096)
+    assert fault is not None and fault[0] == 0 and "dealt to this rank" in fault[1]
+    assert bool((d[0] == -1).all())
+    past = [t[to[r] == 0][:, [0, 1, 3]].clone() for r, t in enumerate(tables)]
+    r = next(r for r in range(1, world) if len(past[r]))
+    past[r][0, 1] = nbytes[past[r][0, 0]]
+    assert owners.plan_dealt(past, 0, file_of, bases, sizes, nbytes, 0, 4096)[2][0] == r
+    # Counts every rank announced (from r, for c), checked alike by all: a negative one or
+    # a column past its bound is a ValueError naming the rank it was for.
+    table = torch.tensor([[1, 2], [3, 4]])
+    owners.check_counts(table, [4, 6], "rows for", "x", [10, 11])
+    with pytest.raises(ValueError, match=r"announced \[2, 4\] rows for rank 11 .* at most 5"):
+        owners.check_counts(table, [4, 5], "rows for", "x", [10, 11])
+    with pytest.raises(ValueError, match=r"announced \[1, -3\] rows for rank 10"):
+        owners.check_counts(torch.tensor([[1, 2], [-3, 4]]), 100, "rows for", "x", [10, 11])

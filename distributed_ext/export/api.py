@@ -19,7 +19,8 @@ The flow, on every rank of the group:
 3. Preparing round: dst makes the files in a hidden stage beside the directory (or
    allocates the full tensors); a failure raises on every rank. With ``writers="all"``
    (:mod:`.writers`) every rank then opens them to write its own long runs itself, and
-   dst tells each rank who writes the blocks its runs share with others' (:mod:`.edges`).
+   the ranks agree who writes each block their runs share (:mod:`.edges`: the blocks dealt
+   out, each rank planning the owners of ~1/W of them).
 4. Data: each rank's pieces travel as the messages of :func:`plan_messages` -- large pieces
    in ``chunk_bytes`` pieces from their own memory, small ones packed by the compiled core --
    and dst writes each message to its places as it arrives (small runs in one native call per
@@ -221,8 +222,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 raise
 
             def joined_layout() -> FileSink:
-                """The files; a sender opens them (joins dst's stage) only here, when it has
-                long pieces to write (one with only short pieces sends them all)."""
+                """The files; a sender opens them (joins dst's stage) here."""
                 if parts["sink"] is None:
                     parts["sink"] = make_sink(entries, model, stage)
                 return parts["sink"]
@@ -234,11 +234,12 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 parts["prepared"] = _prepare_transfer(
                     state, entries, ctx, dst_rank, chunk, local=mode == "all",
                     layout=joined_layout)
-                return (int(parts["prepared"].edges is not None),)
+                edges = parts["prepared"].edges
+                return (int(edges is not None and len(edges.rows) > 0),)
 
-            # (Its status fields say whether any block is shared: dst's says so for all.)
-            shared = agreed("preparing the writers", join)[dst_rank].fields[0]
-            if shared:
+            # (Each rank's status fields say whether it has fragments of shared blocks.)
+            statuses = agreed("preparing the writers", join)
+            if any(s.fields[0] for s in statuses):
                 agreed("preparing the shared blocks", lambda: _edges.prepare_round(
                     parts["prepared"].edges, parts["sink"], entries, state, ctx, dst_rank,
                     min(chunk, PACK_BYTES), what))
@@ -325,9 +326,8 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     bytes: one) and an 8 MiB bounce buffer for direct writes; dst as above; and every rank,
     for the blocks its runs share, one message of up to 1 MiB per rank it exchanges their
     bytes with, each way (a few: its neighbours in the files), and 40 bytes per fragment
-    (a run's end: at most two per run) of its table; dst, which plans every rank's, about
-    200 bytes per fragment of the world's while it plans them (2.6 GiB at world 64 with
-    100k tensors: 12.8M fragments).
+    (a run's end: at most two per run) of its table, plus while the owners are planned
+    ~200 bytes per fragment dealt to it (~1/W of the world's).
 
     Cost: by bytes, not tensor count. Pieces under 1 MiB are packed into shared messages by
     the compiled core and written by dst in one native call per file and message; the

@@ -2,11 +2,14 @@
 
 After every rank has written the whole blocks inside its own long runs, what is left are
 their *fragments*, the bytes of blocks two runs share (:func:`.messages.edge_segments`).
-dst, which plans every rank's pieces, decides who owns each such block -- the holder of most
-of its bytes (:mod:`.owners`) -- and tells each rank with fragments, in the preparing round
-(:func:`deliver`), where each of them goes and which fragments it receives. Then
-(:func:`exchange`) every rank sends its fragments to their owners and writes the blocks it
-owns: its own fragments there and those it receives. Every block of a file has one writer.
+Each rank knows only its own. In the preparing round (:func:`resolve_owners`) the blocks
+are dealt out to the ranks, each fragment's row (entry, offset, bytes) goes to its block's
+rank, which decides the owner of each block it was dealt -- the holder of most of its
+bytes (:mod:`.owners`) -- and tells each rank where each of its fragments goes and which
+fragments it receives: four ``all_to_all`` collectives of tables, each rank planning ~1/W
+of the blocks, none the whole world's. Then (:func:`exchange`) every rank sends its
+fragments to their owners and writes the blocks it owns: its own fragments there and those
+it receives. Every block of a file has one writer.
 
 The exchange runs in rounds: in round ``k`` each rank posts its ``k``-th message to each
 owner it sends to and its ``k``-th receive from each rank that sends to it, then waits for
@@ -17,7 +20,6 @@ deadlocks, whatever the pattern, and holds one message (up to ``cap``, 1 MiB) pe
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,11 +35,8 @@ from distributed_ext.export.messages import (
     Segment,
     _message_nbytes,
     _rows,
-    aligned_middles,
-    edge_segments,
     pack,
     pack_bounds,
-    plan_messages,
 )
 from distributed_ext.export.pieces import Entry
 from distributed_ext.export.stager import _Stager
@@ -52,10 +51,10 @@ class EdgePlan:
 
     fragments: list[Segment]  # this rank's, in canonical order (:func:`_canonical`)
     rows: torch.Tensor  # their fragment table (:mod:`.owners`)
-    dests: torch.Tensor | None = None  # the owner of each; dst: known when planned
+    order: torch.Tensor  # the rows grouped by the rank their block is dealt to
+    dealt: torch.Tensor  # how many go to each rank
+    dests: torch.Tensor | None = None  # the owner of each (resolve_owners)
     receipts: torch.Tensor | None = None  # what this rank receives (a receipt table)
-    # dst only: each other rank's (destinations, receipts), to deliver
-    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Made by prepare(): messages out per owner, row tables in per sender, own ones kept.
     outgoing: dict[int, list[list[Segment]]] = field(default_factory=dict)
     incoming: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -70,8 +69,20 @@ def _canonical(rows: torch.Tensor) -> torch.Tensor:
     """The order of a fragment table's rows by (entry, offset): the order in which a rank's
     destinations are given, computed alike by the rank (from its messages) and dst (from
     its pieces), whatever order each made them in."""
-    key = rows[:, ROW_ENTRY] * 2**40 + rows[:, ROW_OFFSET]
-    return torch.sort(key, stable=True).indices
+    return torch.sort(_owners.order_key(rows[:, ROW_ENTRY], rows[:, ROW_OFFSET]),
+                      stable=True).indices
+
+
+def plan_edges(fragments: list[Segment], layout: Any, world: int) -> EdgePlan:
+    """A rank's :class:`EdgePlan` of its ``fragments``, with the ranks their blocks are
+    dealt to (:func:`.owners.coordinators`): made in the round before the owners are
+    resolved, so that whatever can fail here is agreed before any rank enters those
+    collectives."""
+    rows = fragment_table(fragments)
+    to = _owners.coordinators(rows, layout.file_of, layout.bases, layout.sizes, world,
+                              _direct_io.ALIGN)
+    return EdgePlan(fragments, rows, torch.sort(to, stable=True).indices,
+                    torch.bincount(to, minlength=world))
 
 
 def fragment_table(fragments: list[Segment]) -> torch.Tensor:
@@ -84,125 +95,103 @@ def fragment_table(fragments: list[Segment]) -> torch.Tensor:
     return rows[order]
 
 
-def fragment_tables(written: list[tuple[Entry, Any]], skip: int, world: int,
-                    bases: torch.Tensor | None, chunk: int) -> list[torch.Tensor]:
-    """Every rank's fragment table (but ``skip``'s: dst's own, made from its messages),
-    from the long pieces each writes (``written``, in plan order) -- on dst, which plans
-    them all. A piece of one run (a Shard(0) block: nearly all) has its fragments at its
-    run's two ends whatever its messages (they are cut where the file is aligned), so they
-    are computed for all such pieces at once; a piece of many runs (a transposed block) from
-    its messages (:func:`.messages.edge_segments`), which are its own (``chunk``)."""
-    empty = torch.empty((0, 4), dtype=torch.int64)
-    if not written or bases is None:
-        return [empty] * world
-    rank, index, start, nbytes = (array.array("q") for _ in range(4))
-    many: list[list[tuple[Entry, Any]]] = [[] for _ in range(world)]
-    for e, p in written:
-        r = p.rank
-        if r == skip:
-            continue
-        runs = p.runs(e)
-        if runs.counts:
-            many[r].append((e, p))
-        else:
-            rank.append(r)
-            index.append(e.index)
-            start.append(runs.base)
-            nbytes.append(p.nbytes)
-    out = [empty] * world
-    if len(rank):
-        r, i, a, n = (torch.frombuffer(x, dtype=torch.int64) for x in (rank, index, start, nbytes))
-        lo, hi = aligned_middles(bases[i] + a, n, _direct_io.ALIGN)
-        zero = torch.zeros_like(n)
-        heads = torch.stack((i, a, zero, lo), 1)[lo > 0]
-        tails = torch.stack((i, a + hi, zero, n - hi), 1)[hi < n]
-        rows = torch.cat((heads, tails))
-        owner = torch.cat((r[lo > 0], r[hi < n]))
-        for q in torch.unique(owner).tolist():
-            out[q] = rows[owner == q]
-    for q, pieces in enumerate(many):
-        if pieces:
-            extra = _rows(edge_segments(plan_messages(pieces, chunk, bases), bases,
-                                        _direct_io.ALIGN))
-            out[q] = torch.cat((out[q], extra))
-    return [t[_canonical(t)] for t in out]
+def resolve_owners(plan: EdgePlan, ctx: _agree.GroupContext, dst_rank: int, layout: Any,
+                   nbytes: torch.Tensor, what: str) -> None:
+    """Every rank, in an agreed round: sets ``plan.dests`` (the owner of each of its
+    fragments) and ``plan.receipts`` (what it receives), planned by the ranks the blocks
+    are dealt to (:func:`.owners.coordinators`). Four collectives: an ``all_gather`` of how
+    many rows each rank deals to each, an ``all_to_all_single`` of the rows, an
+    ``all_gather`` of how many receipts each gives each, an ``all_to_all_single`` of each
+    rank's destinations and receipts. Every rank sees every count, so all check them alike
+    before anything is allocated (bad counts: the same ValueError on every rank, before the
+    next collective -- none is left waiting); every row is checked before use (ValueError
+    naming the rank that sent it), and a rank that finds a malformed one still answers
+    (destinations -1, refused where they arrive), so that every rank leaves the
+    collectives and the failure is agreed afterwards. Holds, per rank, its own rows plus
+    those dealt to it (~3 x 8 bytes each), its answers and two W x W count tables."""
+    me, world, link = ctx.rank, ctx.size, ctx.device
+    sizes, file_of, bases = layout.sizes, layout.file_of, layout.bases
+    rows, order, sent = plan.rows, plan.order, plan.dealt  # (canonical within each rank's)
+    faults: list[str] = []
 
+    def all_to_all(data: torch.Tensor, out_counts: list[int], in_counts: list[int]
+                   ) -> torch.Tensor:
+        got = torch.empty(sum(in_counts), dtype=torch.int64, device=link)
+        dist.all_to_all_single(got, data.to(link), in_counts, out_counts, group=ctx.group)
+        return got.cpu()
 
-def plan_on_dst(mine: list[Segment], tables: list[torch.Tensor], layout: Any,
-                dst_rank: int) -> EdgePlan:
-    """dst's :class:`EdgePlan` (``mine``: its own fragments, in the order of
-    ``tables[dst_rank]``), with every other rank's tables to deliver; ``tables``: every
-    rank's fragment table, canonical; ``layout``: the files (a sink's ``file_of``,
-    ``bases``, ``sizes``)."""
-    dests = _owners.plan_owners(tables, layout.file_of, layout.bases, layout.sizes, dst_rank,
-                                _direct_io.ALIGN)
-    receipts = _owners.plan_receipts(tables, dests)
-    plan = EdgePlan(mine, tables[dst_rank], dests[dst_rank], receipts[dst_rank])
-    for r, rows in enumerate(tables):
-        if r != dst_rank and len(rows):
-            plan.tables[r] = (dests[r], receipts[r])
-    return plan
-
-
-def deliver(plan: EdgePlan | None, ctx: _agree.GroupContext, dst_rank: int, layout: Any,
-            nbytes: torch.Tensor, what: str) -> None:
-    """dst sends each rank with fragments its tables; that rank checks them (ValueError
-    naming the bad row) and keeps them. Two messages: the receipt count with the
-    destinations (whose number the rank knows), then the receipts. Run in an agreed round."""
-    me = ctx.rank
-    if plan is None or (me != dst_rank and not plan.fragments):
-        return  # (dst sends nothing to a rank without fragments)
+    def all_counts(mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``mine`` (W counts), as rows of a W x W table."""
+        got = [torch.empty(world, dtype=torch.int64, device=link) for _ in range(world)]
+        dist.all_gather(got, mine.to(link), group=ctx.group)
+        return torch.stack(got).cpu()
 
     def body(_worker: Any) -> None:
-        link = ctx.device
-        if me == dst_rank:
-            works, keep = [], []
-            for r, (dests, receipts) in plan.tables.items():
-                head = torch.cat((torch.tensor([len(receipts)]), dests)).to(link)
-                keep.append(head)
-                works.append(dist.isend(head, ctx.ranks[r], group=ctx.group))
-                if len(receipts):
-                    body_t = receipts.reshape(-1).to(link)
-                    keep.append(body_t)
-                    works.append(dist.isend(body_t, ctx.ranks[r], group=ctx.group))
-            for w in works:
-                w.wait()
-            return
-        head = torch.empty(1 + len(plan.fragments), dtype=torch.int64, device=link)
-        dist.irecv(head, ctx.ranks[dst_rank], group=ctx.group).wait()
-        head = head.cpu()
-        count = int(head[0])
-        # A receipt is a fragment of a block this rank owns and keeps a fragment of; a
-        # block holds at most four (two runs' ends, each split once by a message cut): a
-        # count beyond that is malformed (never allocated).
-        if not 0 <= count <= 4 * len(plan.fragments):
-            raise ValueError(f"{what}: dst announced {count} fragments to receive for "
-                             f"{len(plan.fragments)} of this rank's own (at most four each)")
-        receipts = torch.empty((count, 4), dtype=torch.int64, device=link)
-        if count:
-            dist.irecv(receipts, ctx.ranks[dst_rank], group=ctx.group).wait()
-        receipts = receipts.cpu()
-        try:
-            _owners.check_tables(head[1:], receipts, plan.rows, me, ctx.size, nbytes,
-                                 layout.file_of, layout.bases, _direct_io.ALIGN)
-        except ValueError as exc:
-            raise ValueError(f"{what}: the table of shared blocks from dst (rank "
-                             f"{ctx.ranks[dst_rank]}) is malformed: {exc}") from None
-        plan.dests, plan.receipts = head[1:], receipts
+        if link.type == "cuda":
+            torch.cuda.set_device(link)
+        dealt = all_counts(sent)  # [r, c]: rows rank r deals to rank c
+        _owners.check_counts(dealt, _owners.dealt_bound(sizes, world, _direct_io.ALIGN),
+                             "fragments dealt to", what, ctx.ranks)
+        counts = dealt[:, me]
+        # Rows out: (entry, offset, nbytes), grouped by the rank each is dealt to.
+        out = rows[order][:, [ROW_ENTRY, ROW_OFFSET, ROW_NBYTES]].reshape(-1)
+        got = all_to_all(out, (sent * 3).tolist(), (counts * 3).tolist())
+        received = list(torch.split(got.reshape(-1, 3), counts.tolist()))
+        dests, receipts, fault = _owners.plan_dealt(
+            received, me, file_of, bases, sizes, nbytes, dst_rank, _direct_io.ALIGN)
+        if fault is not None:
+            faults.append(f"rank {ctx.ranks[fault[0]]} sent a malformed fragment: {fault[1]}")
+        given = all_counts(torch.tensor([len(t) for t in receipts], dtype=torch.int64))
+        # A rank receives only fragments of blocks it owns: four at most per fragment of its
+        # own there, and dst, which owns the blocks that hold header or short-run bytes,
+        # four per block of the files besides.
+        bound = 4 * dealt.sum(1)
+        bound[dst_rank] += 4 * sum(-(-size // _direct_io.ALIGN) for size in sizes)
+        _owners.check_counts(given, bound, "fragments to receive at", what, ctx.ranks)
+        taken = given[:, me]
+        # One message per rank: the destinations of the rows it sent, then its receipts.
+        out = torch.cat([torch.cat((d, t.reshape(-1))) for d, t in zip(dests, receipts)])
+        got = all_to_all(out, (counts + given[me] * 4).tolist(), (sent + taken * 4).tolist())
+        mine_dests = torch.empty(len(rows), dtype=torch.int64)
+        parts = []
+        pos = first = 0
+        for r, (n, m) in enumerate(zip(sent.tolist(), taken.tolist())):
+            d, t = got[pos : pos + n], got[pos + n : pos + n + 4 * m].reshape(-1, 4)
+            pos += n + 4 * m
+            mine = order[first : first + n]  # the fragments this rank dealt to rank r
+            first += n
+            # Checked per rank that planned them, so that the error names it.
+            try:
+                _owners.check_tables(d, t, rows[mine], me, world, nbytes, file_of, bases,
+                                     _direct_io.ALIGN, any_block=me == dst_rank)
+            except ValueError as exc:
+                faults.append(f"the owners of shared blocks planned by rank {ctx.ranks[r]} "
+                              f"are malformed: {exc}")
+            mine_dests[mine] = d
+            parts.append(t)
+        # Grouped by sender in rank order, each sender's in its send order (canonical).
+        taken_rows = torch.cat(parts)
+        taken_rows = taken_rows[torch.sort(_owners.order_key(
+            taken_rows[:, _owners.R_ENTRY], taken_rows[:, _owners.R_OFFSET]),
+            stable=True).indices]
+        plan.receipts = taken_rows[torch.sort(taken_rows[:, _owners.R_SOURCE],
+                                              stable=True).indices]
+        plan.dests = mine_dests
 
     _watch.run_watched(body, ctx.ranks, f"{what} (shared blocks)")
+    if faults:
+        raise ValueError(f"{what}: {faults[0]}")
 
 
-def prepare_round(plan: EdgePlan | None, sink: Any, entries: list[Entry],
+def prepare_round(plan: EdgePlan, sink: Any, entries: list[Entry],
                   state: dict[str, torch.Tensor], ctx: _agree.GroupContext, dst_rank: int,
                   cap: int, what: str) -> None:
-    """The step of the preparing round for shared blocks, on every rank: dst tells each
-    rank who writes the blocks its runs share (:func:`deliver`); each checks what it got
-    and allocates the exchange's buffers (:func:`prepare`)."""
+    """The step of the preparing round for shared blocks, on every rank: the owners of
+    the blocks runs share (:func:`resolve_owners`), then the exchange's buffers
+    (:func:`prepare`)."""
     nbytes = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
-    deliver(plan, ctx, dst_rank, sink, nbytes, what)
-    if plan is not None and plan.dests is not None:
-        prepare(plan, state, ctx.rank, ctx.device, cap)
+    resolve_owners(plan, ctx, dst_rank, sink, nbytes, what)
+    prepare(plan, state, ctx.rank, ctx.device, cap)
 
 
 def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch.device,
@@ -210,14 +199,19 @@ def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch
     """Plans this rank's messages (out per owner, in per sender, its own kept) and
     allocates every buffer the exchange needs: one message per peer each way."""
     assert plan.dests is not None and plan.receipts is not None
+    if not plan.fragments and not len(plan.receipts):
+        return  # (nothing to send or write: no exchange)
     by_dest: dict[int, list[Segment]] = {}
     for seg, to in zip(plan.fragments, plan.dests.tolist()):
         by_dest.setdefault(to, []).append(seg)
     plan.kept = pack(by_dest.pop(me, []), cap)
     plan.outgoing = {r: pack(segs, cap) for r, segs in sorted(by_dest.items())}
+    # Receipts come grouped by sender in rank order (resolve_owners sorts them so).
     receipts = plan.receipts
-    for r in torch.unique(receipts[:, _owners.R_SOURCE]).tolist() if len(receipts) else []:
-        mine = receipts[receipts[:, _owners.R_SOURCE] == r]
+    counts = torch.bincount(receipts[:, _owners.R_SOURCE]).tolist() if len(receipts) else []
+    for r, mine in enumerate(torch.split(receipts, counts)):
+        if not len(mine):
+            continue
         n = mine[:, _owners.R_NBYTES]
         starts = pack_bounds(n.tolist(), cap)
         tables = []

@@ -1,4 +1,4 @@
-"""Who writes each shared block of the files (``writers="all"``): pure planning, on dst.
+"""Who writes each shared block of the files (``writers="all"``): pure planning.
 
 Every rank writes the whole aligned blocks inside its own long runs; a block that several
 runs cover in part (where one rank's run ends and another's begins) is shared, and its bytes
@@ -9,12 +9,16 @@ that also holds bytes dst writes anyway -- the file's header, or short runs (sma
 ``Shard(1)`` rows), which dst assembles into regions -- is dst's. The others send the owner
 their fragments there.
 
-dst plans every rank's pieces, so it alone sees every fragment: it computes the owners here
-and tells each rank what to send where and what it receives (:mod:`.edges`). Tables, not
-objects: a few tensor operations for any number of fragments.
+No rank sees every fragment: each knows its own. The blocks are dealt out to the ranks
+(:func:`coordinators`), every fragment is sent to its block's rank, which plans the owners
+of the blocks it was dealt (:func:`plan_dealt`) and tells each rank where its fragments go
+and what it receives (:mod:`.edges`). Tables, not objects: a few tensor operations for any
+number of fragments.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -27,10 +31,102 @@ from distributed_ext.export.messages import ROW_ENTRY, ROW_NBYTES, ROW_OFFSET
 R_SOURCE, R_ENTRY, R_OFFSET, R_NBYTES = range(4)
 
 
+def order_key(entry: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The canonical order of fragments, by (entry, offset): the order in which a rank
+    sends them and its owners list them, computed alike at both ends."""
+    return entry * 2**40 + offset
+
+
 def block_keys(entry: torch.Tensor, offset: torch.Tensor, file_of: torch.Tensor,
                bases: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``(file number, block index)`` of the bytes at ``offset`` of each ``entry``."""
     return file_of[entry], torch.div(bases[entry] + offset, align, rounding_mode="floor")
+
+
+def coordinators(rows: torch.Tensor, file_of: torch.Tensor, bases: torch.Tensor,
+                 sizes: list[int], world: int, align: int) -> torch.Tensor:
+    """The rank that plans the owner of each fragment's block (``rows``: a fragment table):
+    the blocks of the files dealt out in turn, so that every fragment of a block meets at
+    one rank and each rank plans ~1/world of them."""
+    fid, block = block_keys(rows[:, ROW_ENTRY], rows[:, ROW_OFFSET], file_of, bases, align)
+    return (fid * (max(sizes) // align + 1) + block) % world
+
+
+def dealt_bound(sizes: list[int], world: int, align: int) -> int:
+    """The most fragments a rank can be dealt: four per block dealt to it (two long runs
+    meet in a block at most; each end cut once at most)."""
+    return 4 * (len(sizes) * (max(sizes) // align + 1) // world + 1)
+
+
+def check_counts(table: torch.Tensor, bound: Any, what_for: str, what: str,
+                 ranks: list[int]) -> None:
+    """Checks a W x W table of counts every rank sent (``table[r, c]``: from rank r, for
+    rank c): none negative, each column's sum within ``bound`` (an int, or one per rank).
+    Every rank checks the same table, so all raise alike (ValueError naming the rank)."""
+    world = len(ranks)
+    limit = torch.as_tensor(bound, dtype=torch.int64).expand(world)
+    total = table.sum(0)
+    bad = (table < 0).any(0) | (total > limit)
+    if bool(bad.any()):
+        c = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{what}: the ranks announced {table[:, c].tolist()} {what_for} rank "
+                         f"{ranks[c]} of the shared blocks, at most {int(limit[c])} in all "
+                         "can be (a malformed count)")
+
+
+def plan_dealt(received: list[torch.Tensor], me: int, file_of: torch.Tensor,
+               bases: torch.Tensor, sizes: list[int], nbytes: torch.Tensor, dst_rank: int,
+               align: int
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[int, str] | None]:
+    """The owners of the blocks dealt to rank ``me``, from the fragments every rank sent
+    it there (``received``: per group rank, rows of entry, offset, nbytes, in its send
+    order). Each rank's rows are checked first (entry, bounds, one block, dealt here); a
+    malformed one's fragments all get destination -1 (refused there) and the first fault
+    (that rank, what is wrong) is returned, for this rank to raise once every rank has its
+    answer.
+
+    Returns:
+        Per rank, the destination of each fragment it sent; per rank, the receipts it gets
+        (:func:`plan_receipts`); the fault, or None.
+    """
+    world = len(received)
+    fault = None
+    tables = []
+    for r, got in enumerate(received):
+        rows = torch.zeros((len(got), 4), dtype=torch.int64)
+        rows[:, [ROW_ENTRY, ROW_OFFSET, ROW_NBYTES]] = got
+        why = _check_fragments(rows, me, world, file_of, bases, sizes, nbytes, align)
+        if why is not None:
+            fault = fault or (r, why)
+            rows = rows[:0]
+        tables.append(rows)
+    dests = plan_owners(tables, file_of, bases, sizes, dst_rank, align)
+    receipts = plan_receipts(tables, dests)
+    dests = [d if len(d) == len(got) else torch.full((len(got),), -1, dtype=torch.int64)
+             for d, got in zip(dests, received)]
+    return dests, receipts, fault
+
+
+def _check_fragments(rows: torch.Tensor, me: int, world: int, file_of: torch.Tensor,
+                     bases: torch.Tensor, sizes: list[int], nbytes: torch.Tensor,
+                     align: int) -> str | None:
+    """What is wrong with the first bad row of a fragment table from the wire, or None."""
+    if not len(rows):
+        return None
+    entry, offset, n = rows[:, ROW_ENTRY], rows[:, ROW_OFFSET], rows[:, ROW_NBYTES]
+    bad = (entry < 0) | (entry >= len(nbytes)) | (n <= 0) | (n >= align) | (offset < 0)
+    if not bool(bad.any()):
+        start = bases[entry] + offset
+        bad = (offset + n > nbytes[entry]) | (torch.div(start, align, rounding_mode="floor")
+                                              != torch.div(start + n - 1, align,
+                                                           rounding_mode="floor"))
+    if not bool(bad.any()):
+        bad = coordinators(rows, file_of, bases, sizes, world, align) != me
+    if not bool(bad.any()):
+        return None
+    i = int(bad.nonzero()[0, 0])
+    return (f"row {i} (entry, offset, nbytes) {rows[i, [ROW_ENTRY, ROW_OFFSET, ROW_NBYTES]].tolist()} "
+            "is not a fragment under one block of an entry, dealt to this rank")
 
 
 def plan_owners(fragments: list[torch.Tensor], file_of: torch.Tensor, bases: torch.Tensor,
@@ -104,11 +200,13 @@ def plan_receipts(fragments: list[torch.Tensor], dests: list[torch.Tensor]
 
 def check_tables(dests: torch.Tensor, receipts: torch.Tensor, rows: torch.Tensor, me: int,
                  world: int, nbytes: torch.Tensor, file_of: torch.Tensor, bases: torch.Tensor,
-                 align: int) -> None:
-    """Checks what dst sent this rank about its fragments (``rows``) before any is used:
-    every destination a group rank; every receipt from another rank, inside one block of
-    an entry of the plan that this rank owns (one where it keeps a fragment of its own).
-    ValueError naming the first bad row."""
+                 align: int, any_block: bool = False) -> None:
+    """Checks what the rank that planned some blocks sent this rank about its fragments
+    there (``rows``) before any is used: every destination a group rank; every receipt
+    from another rank, inside one block of an entry of the plan, grouped by sender in rank
+    order and in each sender's order, in a block that this rank owns: one where it keeps a
+    fragment of its own (``any_block``, dst's: any block, as it owns those holding header
+    or short-run bytes too). ValueError naming the first bad row."""
     if len(dests) != len(rows):
         raise ValueError(f"{len(dests)} destinations for {len(rows)} fragments")
     bad = (dests < 0) | (dests >= world)
@@ -129,6 +227,11 @@ def check_tables(dests: torch.Tensor, receipts: torch.Tensor, rows: torch.Tensor
         bad |= torch.div(start, align, rounding_mode="floor") != \
             torch.div(start + n - 1, align, rounding_mode="floor")
     if not bool(bad.any()):
+        # Grouped by sender in rank order, each sender's in its send order (canonical:
+        # entry, offset), as both ends cut them into messages.
+        key = order_key(entry, offset)
+        bad[1:] |= (src[1:] < src[:-1]) | ((src[1:] == src[:-1]) & (key[1:] <= key[:-1]))
+    if not bool(bad.any()) and not any_block:
         # The blocks this rank owns: those of its own fragments it keeps (dense keys).
         kept = rows[dests == me]
         fid, block = block_keys(kept[:, ROW_ENTRY], kept[:, ROW_OFFSET], file_of, bases, align)
