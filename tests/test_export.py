@@ -1903,6 +1903,41 @@ def test_a_malformed_table_of_shared_blocks_is_refused_on_every_rank(tmp_path, h
     assert not out.exists() and not [n for n in os.listdir(tmp_path) if "dext" in n]
 
 
+def _dies_while_owners_are_planned(out):
+    import signal
+    import time
+
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from distributed_ext.export import edges
+
+    if dist.get_rank() == 1:  # rank 1 dies between the collectives that plan the owners
+        def die(*args):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        edges._owners.plan_dealt = die
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    state = {"w": distribute_tensor(torch.arange(300 * 1001, dtype=torch.float32)
+                                    .reshape(300, 1001), mesh, [Shard(0)])}
+    start = time.monotonic()
+    outcome = _outcome(lambda: dx.export_hf_checkpoint(state, out, writers="all"))
+    return outcome, time.monotonic() - start
+
+
+def test_a_rank_dying_while_the_owners_are_planned_is_named_by_every_survivor(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / E.WEIGHTS_NAME).write_bytes(b"an earlier checkpoint")
+    res = run_ranks(_dies_while_owners_are_planned, 3, str(out), pg_timeout=120, timeout=120)
+    assert res[1].exit_code == -9
+    for r in (0, 2):
+        outcome, took = res[r].value
+        assert outcome[:2] == ("raised", "RuntimeError") and "rank 1 died" in outcome[2], outcome
+        assert took < 10, took
+    assert (out / E.WEIGHTS_NAME).read_bytes() == b"an earlier checkpoint"
+    assert not [n for n in os.listdir(tmp_path) if "dext" in n]
+
+
 def _owner_disk_fills(out):
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
