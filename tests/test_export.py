@@ -1794,20 +1794,12 @@ def _majority_writes(out):
              "b": distribute_tensor(torch.randn(500, 300, generator=g).bfloat16(), mesh,
                                     [Shard(0)]),
              "c": distribute_tensor(torch.randn(1000, 70, generator=g), mesh, [Shard(0)])}
-    sent, real_send = [], dist.isend
-
-    def counting(tensor, *args, **kwargs):  # the bytes of data messages (not the tables)
-        if tensor.dtype == torch.uint8:
-            sent.append(tensor.numel())
-        return real_send(tensor, *args, **kwargs)
-
-    dist.isend = counting
-    try:
-        writes = _recording_writes(lambda: dx.export_hf_checkpoint(state, out, writers="all"))
-    finally:
-        dist.isend = real_send
+    writes = []
+    sent = _counting_sends(lambda: writes.append(_recording_writes(
+        lambda: dx.export_hf_checkpoint(state, out, writers="all"))))
+    writes = writes[0]
     rows = {k: (v.shape[0], v.to_local().shape[0]) for k, v in state.items()}
-    return _blocks_written(writes), sum(sent), rows
+    return _blocks_written(writes), sent, rows
 
 
 def test_every_shared_block_is_written_by_the_holder_of_most_of_its_bytes(tmp_path):

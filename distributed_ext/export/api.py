@@ -60,7 +60,7 @@ from distributed_ext.export.entries import (
     resolve_described,
     resolve_state,
 )
-from distributed_ext.export.messages import PACK_BYTES
+from distributed_ext.export.messages import pack_cap
 from distributed_ext.export.pieces import Entry, agree_plan, check_keys, merge_holdings, plan_entries
 from distributed_ext.export.publish import _commit_round
 from distributed_ext.export.safetensors import _DTYPE_BY_NAME, layout_files, parse_shard_size
@@ -242,7 +242,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             if any(s.fields[0] for s in statuses):
                 agreed("preparing the shared blocks", lambda: _edges.prepare_round(
                     parts["prepared"].edges, parts["sink"], entries, state, ctx, dst_rank,
-                    min(chunk, PACK_BYTES), what))
+                    pack_cap(chunk), what))
         sink, prepared = parts["sink"], parts["prepared"]
         assert prepared is not None
         try:

@@ -16,6 +16,11 @@ from distributed_ext.export.pieces import Entry, Piece
 PACK_BYTES = 2**20
 
 
+def pack_cap(chunk: int) -> int:
+    """The most bytes of one packed message at ``chunk_bytes`` ``chunk``."""
+    return min(chunk, PACK_BYTES)
+
+
 # Columns of a row table (:func:`_rows`): which entry, where in it, where in the message, how
 # many bytes. A table, not a list of tuples: a sink maps a message of a thousand small pieces
 # to file offsets and copies them with a few tensor operations and one native call.
@@ -95,7 +100,7 @@ def _plan(items: Iterable[tuple[Entry, Piece]], chunk: int, world: int | None,
     # Per rank: [its messages, the message being packed, its bytes so far]
     streams: list[list[Any]] = [[[], [], 0] for _ in range(world or 1)]
     # Packed messages stay small enough that a receiver writes one while the next is packed.
-    cap = min(chunk, PACK_BYTES)
+    cap = pack_cap(chunk)
     for e, p in items:
         n = p.nbytes
         if n == 0:

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from distributed_ext import _direct_io, _native, _staging
 from distributed_ext.export.entries import _local
-from distributed_ext.export.messages import PACK_BYTES, Segment, _message_nbytes
+from distributed_ext.export.messages import Segment, _message_nbytes, pack_cap
 from distributed_ext.export.pieces import Entry, Piece
 
 
@@ -121,7 +121,7 @@ class _Stager:
             return
         if packed and self.pinned is None:
             self.host_slots = torch.empty(
-                (3, min(self.chunk, PACK_BYTES) + 2 * _direct_io.ALIGN), dtype=torch.uint8)
+                (3, pack_cap(self.chunk) + 2 * _direct_io.ALIGN), dtype=torch.uint8)
         self.zeros = torch.empty(max(_message_nbytes(m) for m in messages), dtype=torch.uint8)
 
     def _failed_bytes(self, slot: int, n: int) -> torch.Tensor:
@@ -146,7 +146,7 @@ class _Stager:
         if self.pinned is not None:
             return self.pinned.view(slot, n, shift)
         if self.host_slots is None:  # only packed messages come here: at most PACK_BYTES
-            self.host_slots = torch.empty((3, min(self.chunk, PACK_BYTES) + 2 * _direct_io.ALIGN),
+            self.host_slots = torch.empty((3, pack_cap(self.chunk) + 2 * _direct_io.ALIGN),
                                           dtype=torch.uint8)
         return _direct_io.place(self.host_slots[slot], n, shift)
 
