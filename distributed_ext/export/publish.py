@@ -212,32 +212,35 @@ def _commit_round(sink: Any, ctx: _agree.GroupContext,
                   deferred: _watch.DeferredInterrupts, what: str) -> None:
     """dst publishes the checkpoint; every rank then learns whether it did (a failed commit
     -- a config that does not serialize, an fsync or rename error, Ctrl-C -- raises on every
-    rank, naming dst's error; the directory then holds the earlier checkpoint)."""
+    rank, naming dst's error; the directory then holds the earlier checkpoint). An agreed
+    round (:func:`_agree.agree`) whose step on dst is the commit."""
     committed = False
+
+    def step() -> None:
+        nonlocal committed
+        try:
+            if sink is not None:
+                interrupted = deferred.take()
+                if interrupted is not None:
+                    raise interrupted  # before anything is published: nothing changes
+                sink.commit()
+                committed = True
+            # A Ctrl-C during the commit (or, on a sender, while it waited for it): carried
+            # in this round like any failure, so that every rank raises alike.
+            late = deferred.take()
+            if late is not None:
+                raise late
+        except BaseException:
+            if sink is not None and not committed:
+                sink.abort()
+            raise
+
     try:
-        if sink is not None:
-            interrupted = deferred.take()
-            if interrupted is not None:
-                raise interrupted  # before anything is published: nothing changes
-            sink.commit()
-            committed = True
-        # A Ctrl-C during the commit (or, on a sender, while it waited for it): carried in
-        # this round like any failure, so that every rank raises alike.
-        late = deferred.take()
-        if late is not None:
-            raise late
-        status = _agree.Status()
-    except BaseException as exc:  # noqa: BLE001 - carried to every rank
-        if sink is not None and not committed:
-            sink.abort()
-        status = _agree.Status.failed(exc)
-    try:
-        statuses = _agree.exchange(status, ctx, what)
+        _agree.agree(what, ctx, step, stage="commit")
     except RuntimeError as exc:
         if committed:
-            # A peer died after the data had all arrived: the checkpoint is complete and in
-            # place; the group, though, is unusable.
+            # A peer failed or died after the data had all arrived: the checkpoint is
+            # complete and in place (the group may be unusable).
             raise RuntimeError(f"{exc} (the checkpoint itself is complete: it was published "
                                "before the failure)") from exc
         raise
-    _agree.raise_first_failure(f"{what} (commit)", statuses, ctx, status)
