@@ -1623,6 +1623,51 @@ def test_one_rank_plans_only_what_concerns_it_at_a_simulated_world_of_1024():
     assert peak < 96 * 2**20, peak / 2**20
 
 
+def test_one_rank_deals_its_shared_blocks_at_a_simulated_world_of_1024():
+    # With every rank writing, what one rank plans of the shared blocks at world 1024 with
+    # 100k Shard(0) tensors whose runs (132 KB a rank) are long: its own runs' ends (two
+    # fragments each) and the ranks they are dealt to -- O(its pieces), never the world's
+    # 204.8M fragments (dealt out, each rank plans ~1/1024 of them: RESULTS.md).
+    import array
+    import tracemalloc
+
+    from distributed_ext.export import edges, transfer
+    from distributed_ext.export import entries as export_entries
+    from distributed_ext.export import pieces as export_pieces
+    from distributed_ext.export.messages import edge_segments
+
+    world, n, me, row = 1024, 100_000, 5, 4124
+    sig = export_entries.Signature("float32", (32 * world + 3, row // 4), (("S", 0),),
+                                   tuple(range(world)), (world,))
+    keys = [f"model.layers.{i}.w" for i in range(n)]
+    described = [export_entries.Described(keys, (array.array("i", [0]) * n).tobytes(),
+                                          [sig])] * world
+
+    class Files:  # 36 tensors a file (5 GB), a header of 120 bytes per tensor
+        nbytes = (32 * world + 3) * row
+        file_of = torch.arange(n) // 36
+        bases = 8 + 120 * 36 + torch.arange(n) % 36 * nbytes
+        sizes = [8 + 120 * 36 + 36 * nbytes] * (n // 36) + [8 + 120 * 36 + n % 36 * nbytes]
+
+    tracemalloc.start()
+    holdings = export_pieces.merge_holdings(described, list(range(world)), 0, None)
+    entries = export_pieces.plan_entries(holdings, None, 0, list(range(world)), keep=me,
+                                         spread=True)
+    written = [(e, p) for e in entries for p in e.pieces if not transfer._short(e, p)]
+    messages = E.plan_messages(written, 16 * 2**20, Files.bases)
+    plan = edges.plan_edges(edge_segments(messages, Files.bases, 4096), Files, world)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(written) == n and len(plan.rows) == 2 * n  # both ends of each of its runs
+    assert int(plan.dealt.sum()) == 2 * n and int(plan.dealt.count_nonzero()) == world
+    assert int(plan.dealt.max()) < 4 * 2 * n // world  # spread over the ranks
+    # Its rows grouped by the rank each is dealt to, canonical within each group
+    to = edges._owners.coordinators(plan.rows, Files.file_of, Files.bases, Files.sizes,
+                                    world, 4096)
+    assert bool((to[plan.order][1:] >= to[plan.order][:-1]).all())
+    assert peak < 160 * 2**20, peak / 2**20  # (Python objects; tables of its own rows)
+
+
 def _both_writers_2d(base):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
