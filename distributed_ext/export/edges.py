@@ -6,10 +6,10 @@ Each rank knows only its own. In the preparing round (:func:`resolve_owners`) th
 are dealt out to the ranks, each fragment's row (entry, offset, bytes) goes to its block's
 rank, which decides the owner of each block it was dealt -- the holder of most of its
 bytes (:mod:`.owners`) -- and tells each rank where each of its fragments goes and which
-fragments it receives: four ``all_to_all`` collectives of tables, each rank planning ~1/W
-of the blocks, none the whole world's. Then (:func:`exchange`) every rank sends its
-fragments to their owners and writes the blocks it owns: its own fragments there and those
-it receives. Every block of a file has one writer.
+fragments it receives: two ``all_gather``s of counts and two ``all_to_all_single`` of
+tables, each rank planning ~1/W of the blocks, none the whole world's. Then
+(:func:`exchange`) every rank sends its fragments to their owners and writes the blocks it
+owns: its own fragments there and those it receives. Every block of a file has one writer.
 
 The exchange runs in rounds: in round ``k`` each rank posts its ``k``-th message to each
 owner it sends to and its ``k``-th receive from each rank that sends to it, then waits for
@@ -66,9 +66,9 @@ class EdgePlan:
 
 
 def _canonical(rows: torch.Tensor) -> torch.Tensor:
-    """The order of a fragment table's rows by (entry, offset): the order in which a rank's
-    destinations are given, computed alike by the rank (from its messages) and dst (from
-    its pieces), whatever order each made them in."""
+    """The order of a fragment table's rows by (entry, offset): the order in which a rank
+    sends its fragments to an owner and the owner lists what it receives from that rank,
+    computed alike at both ends (:func:`.owners.order_key`)."""
     return torch.sort(_owners.order_key(rows[:, ROW_ENTRY], rows[:, ROW_OFFSET]),
                       stable=True).indices
 
