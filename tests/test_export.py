@@ -1916,9 +1916,14 @@ def _corrupt_table(out, how):
             return dests, receipts, fault
 
         edges._owners.plan_dealt = corrupt
-    elif dist.get_rank() == 1:  # rank 1 deals its fragments' rows to the wrong ranks
+    elif how == "dealt" and dist.get_rank() == 1:  # rank 1 deals its rows to the wrong ranks
         real_deal = edges._owners.coordinators
         edges._owners.coordinators = lambda *args: (real_deal(*args) + 1) % 2
+    elif how == "planning" and dist.get_rank() == 1:  # rank 1 fails planning its blocks
+        def broken(*args):
+            raise RuntimeError("planning failed here")
+
+        edges._owners.plan_owners = broken
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -1927,21 +1932,27 @@ def _corrupt_table(out, how):
     return _export_then_use_the_group(state, out, 2**20, "all")
 
 
-@pytest.mark.parametrize("how", ["dests", "dealt"])
+@pytest.mark.parametrize("how", ["dests", "dealt", "planning"])
 def test_a_malformed_table_of_shared_blocks_is_refused_on_every_rank(tmp_path, how):
     # What the ranks send each other to agree the owners is checked where it arrives: a
-    # destination that is no rank, a row sent to a rank its block is not dealt to. Every
-    # rank raises (naming the rank at fault), the group is usable after, nothing is left.
+    # destination that is no rank, a row sent to a rank its block is not dealt to; a rank
+    # whose planning fails still answers. Every rank raises (naming the rank at fault),
+    # none is left waiting in a collective, the group is usable after, nothing is left.
     out = tmp_path / "ckpt"
     values = assert_all_ok(run_ranks(_corrupt_table, 2, str(out), how))
-    assert all(v[0][:2] == ("raised", "ValueError") or
-               (v[0][:2] == ("raised", "RuntimeError") and "failed with ValueError" in v[0][2])
-               for v in values), values
+    if how == "planning":
+        assert values[1][0] == ("raised", "RuntimeError", "planning failed here"), values[1]
+        assert values[0][0][:2] == ("raised", "RuntimeError") and \
+            "rank 1 failed with RuntimeError: planning failed here" in values[0][0][2], values
+    else:
+        assert all(v[0][:2] == ("raised", "ValueError") or
+                   (v[0][:2] == ("raised", "RuntimeError") and
+                    "failed with ValueError" in v[0][2]) for v in values), values
     if how == "dests":
         assert re.search(r"the owners of shared blocks planned by rank [01] are malformed: "
                          r"destination 5 of fragment 0 is not a group rank \(0\.\.1\)",
                          values[1][0][2]), values[1]
-    else:
+    elif how == "dealt":
         assert any("rank 1 sent a malformed fragment: row 0 (entry, offset, nbytes) "
                    in v[0][2] for v in values), values
     assert all(after == 2 for _first, after in values)

@@ -137,8 +137,17 @@ def resolve_owners(plan: EdgePlan, ctx: _agree.GroupContext, dst_rank: int, layo
         out = rows[order][:, [ROW_ENTRY, ROW_OFFSET, ROW_NBYTES]].reshape(-1)
         got = all_to_all(out, (sent * 3).tolist(), (counts * 3).tolist())
         received = list(torch.split(got.reshape(-1, 3), counts.tolist()))
-        dests, receipts, fault = _owners.plan_dealt(
-            received, me, file_of, bases, sizes, nbytes, dst_rank, _direct_io.ALIGN)
+        try:
+            dests, receipts, fault = _owners.plan_dealt(
+                received, me, file_of, bases, sizes, nbytes, dst_rank, _direct_io.ALIGN)
+        except Exception as exc:  # noqa: BLE001 - raised once every rank has its answer
+            # This rank still answers (every destination -1, no receipt), so that no peer
+            # waits on it in the collectives below; it raises after them.
+            dests = [torch.full((n,), -1, dtype=torch.int64) for n in counts.tolist()]
+            receipts = [torch.empty((0, 4), dtype=torch.int64)] * world
+            fault, failed = None, exc
+        else:
+            failed = None
         if fault is not None:
             faults.append(f"rank {ctx.ranks[fault[0]]} sent a malformed fragment: {fault[1]}")
         given = all_counts(torch.tensor([len(t) for t in receipts], dtype=torch.int64))
@@ -177,6 +186,8 @@ def resolve_owners(plan: EdgePlan, ctx: _agree.GroupContext, dst_rank: int, layo
         plan.receipts = taken_rows[torch.sort(taken_rows[:, _owners.R_SOURCE],
                                               stable=True).indices]
         plan.dests = mine_dests
+        if failed is not None:
+            raise _watch.LocalFailure(failed)  # (its own: no peer to look for)
 
     _watch.run_watched(body, ctx.ranks, f"{what} (shared blocks)")
     if faults:

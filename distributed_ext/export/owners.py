@@ -43,19 +43,25 @@ def block_keys(entry: torch.Tensor, offset: torch.Tensor, file_of: torch.Tensor,
     return file_of[entry], torch.div(bases[entry] + offset, align, rounding_mode="floor")
 
 
+def _blocks_per_file(sizes: list[int], align: int) -> int:
+    """The span of block indices a file can have: a block's dense key across the files is
+    ``file number * this + block index`` (one int64 with no collision)."""
+    return max(sizes) // align + 1
+
+
 def coordinators(rows: torch.Tensor, file_of: torch.Tensor, bases: torch.Tensor,
                  sizes: list[int], world: int, align: int) -> torch.Tensor:
     """The rank that plans the owner of each fragment's block (``rows``: a fragment table):
     the blocks of the files dealt out in turn, so that every fragment of a block meets at
     one rank and each rank plans ~1/world of them."""
     fid, block = block_keys(rows[:, ROW_ENTRY], rows[:, ROW_OFFSET], file_of, bases, align)
-    return (fid * (max(sizes) // align + 1) + block) % world
+    return (fid * _blocks_per_file(sizes, align) + block) % world
 
 
 def dealt_bound(sizes: list[int], world: int, align: int) -> int:
     """The most fragments a rank can be dealt: four per block dealt to it (two long runs
     meet in a block at most; each end cut once at most)."""
-    return 4 * (len(sizes) * (max(sizes) // align + 1) // world + 1)
+    return 4 * (len(sizes) * _blocks_per_file(sizes, align) // world + 1)
 
 
 def check_counts(table: torch.Tensor, bound: Any, what_for: str, what: str,
@@ -154,7 +160,7 @@ def plan_owners(fragments: list[torch.Tensor], file_of: torch.Tensor, bases: tor
     fid, block = block_keys(rows[:, ROW_ENTRY], rows[:, ROW_OFFSET], file_of, bases, align)
     n = rows[:, ROW_NBYTES]
     # Dense block ids (a block's key would not fit with the rank in one int64 at 10k files).
-    key = fid * (max(sizes) // align + 1) + block
+    key = fid * _blocks_per_file(sizes, align) + block
     blocks, which = torch.unique(key, return_inverse=True)
     total = torch.zeros(len(blocks), dtype=torch.int64).index_add_(0, which, n)
     # What the runs' fragments leave of a block (inside its file) is header or short runs:
