@@ -22,12 +22,13 @@ That needs a directory every rank sees as dst does: dst writes a probe file with
 token into the stage, every rank reads it back, and the answers are agreed. ``"all"`` on a
 directory some rank does not see is a ValueError on every rank naming those ranks.
 ``"auto"`` picks ``"all"`` where every rank sees the directory, else ``"dst"``. On one host
-the ranks share its disk: measured on a 2-core VM (world 2, a 1 GiB Llama-shaped FSDP2 model,
-first call / warm, three runs), ext4 all 0.81-0.94 / 0.72-0.89 s against dst 0.98-1.11 /
-0.88-1.02 s, tmpfs 0.86 / 0.64 s against 0.72 / 0.69 s -- near even, the filesystem being the
-bound (two processes writing halves of one tmpfs file are not faster than one: the kernel
-takes the file's lock for each write) -- while dst holds 22 MiB instead of 48 MiB and under
-600 KiB crosses the link. Across hosts "all" is the one that scales (``benchmarks/RESULTS.md``).
+the ranks share its disk: measured on a 2-core VM (a 1 GiB Llama-shaped FSDP2 model, first
+call / warm), world 2: ext4 all 0.81-0.94 / 0.72-0.89 s against dst 0.98-1.11 / 0.88-1.02 s,
+tmpfs 0.64-0.66 / 0.61 s against 0.72-0.80 / 0.64-0.75 s; world 4, ext4: 1.12 / 1.15 s
+against 1.49 / 1.23 s -- the filesystem being the bound (two processes writing halves of one
+tmpfs file are not faster than one: the kernel takes the file's lock for each write) --
+while dst holds 22 MiB instead of 48-112 MiB and under 320 KiB a rank crosses the link.
+Across hosts "all" is the one that scales (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
