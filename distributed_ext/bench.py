@@ -811,22 +811,32 @@ def _writers_targets(rows: dict[str, Result], label: str) -> list[str]:
     """Ours (every rank writing, the default where all see the directory) against one
     writer, route (b) and the disk (first calls): the targets are a RAM filesystem's (>= 1.6x
     dst, >= 5x route (b)) and a disk's (>= 0.8x its O_DIRECT rate); the caption names which
-    this run wrote to."""
+    this run wrote to. Beside a speed ratio, its ceiling on this filesystem: the baseline
+    against the bare write of the same bytes (the faster of the disk rows), which no export
+    can beat."""
     every, one = rows.get("distributed_ext"), rows.get(_ONE_WRITER)
     if every is None or one is None:
         return []
-    checks = [("vs writers=dst", one.first / every.first, 1.6)]
+    bare = min([rows[m].first for m in ("disk O_DIRECT write", _PARALLEL_DISK) if m in rows],
+               default=None)
+    checks = [("vs writers=dst", one.first, 1.6)]
     if "torch get_model_state_dict+save_pretrained" in rows:
-        checks.append(("vs route (b)", rows["torch get_model_state_dict+save_pretrained"].first
-                       / every.first, 5.0))
+        checks.append(("vs route (b)", rows["torch get_model_state_dict+save_pretrained"].first,
+                       5.0))
+    out = [f"{'met ' if base / every.first >= target else 'MISSED'} [{label}, every rank "
+           f"writing] first call {name}: {base / every.first:.2f}x (target >= {target}x"
+           + (f"; this filesystem's ceiling {base / bare:.2f}x: the same baseline against "
+              "the bare write of the bytes)" if bare else ")")
+           for name, base, target in checks]
+    rates = []
     if "disk O_DIRECT write" in rows:
-        checks.append(("rate vs the disk's O_DIRECT", rows["disk O_DIRECT write"].first
-                       / every.first, 0.8))
+        rates.append(("rate vs the disk's O_DIRECT", rows["disk O_DIRECT write"].first))
     if _PARALLEL_DISK in rows:  # the same target against what every rank writing can reach
-        checks.append(("rate vs the disk's O_DIRECT, every rank its share",
-                       rows[_PARALLEL_DISK].first / every.first, 0.8))
-    out = [f"{'met ' if value >= target else 'MISSED'} [{label}, every rank writing] first call "
-           f"{name}: {value:.2f}x (target >= {target}x)" for name, value, target in checks]
+        rates.append(("rate vs the disk's O_DIRECT, every rank its share",
+                      rows[_PARALLEL_DISK].first))
+    out += [f"{'met ' if disk / every.first >= 0.8 else 'MISSED'} [{label}, every rank "
+            f"writing] first call {name}: {disk / every.first:.2f}x (target >= 0.8x)"
+            for name, disk in rates]
     if every.per_rank:
         peak = max(f["peak_rss"] for f in every.per_rank)
         out.append(f"{'met ' if peak <= 128 * 2**20 else 'MISSED'} [{label}, every rank writing] "

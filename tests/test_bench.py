@@ -211,6 +211,24 @@ def test_targets_are_judged_from_the_figures():
     assert any(line.startswith("MISSED") and "first-touch floor" in line for line in lines)
 
 
+def test_export_targets_name_the_filesystems_ceiling_beside_the_speed_ratios():
+    def row(method, first):
+        return bench.Result("export", method, 2, 2**29, 2**30, first, [first], [0])
+
+    results = [row("distributed_ext", 0.8), row("distributed_ext writers=dst", 1.0),
+               row("torch get_model_state_dict+save_pretrained", 3.5),
+               row("disk O_DIRECT write", 0.72),
+               row("disk O_DIRECT write, every rank its share", 0.75)]
+    lines = [line for line in bench.check_targets(results) if "every rank writing" in line]
+    assert any(line.startswith("MISSED") and "vs writers=dst: 1.25x (target >= 1.6x; this "
+               "filesystem's ceiling 1.39x" in line for line in lines), lines
+    assert any(line.startswith("MISSED") and "vs route (b): 4.38x (target >= 5.0x; this "
+               "filesystem's ceiling 4.86x" in line for line in lines), lines
+    assert any(line.startswith("met ") and "rate vs the disk's O_DIRECT: 0.90x (target >= "
+               "0.8x)" in line for line in lines), lines
+    assert len(lines) == 4
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
