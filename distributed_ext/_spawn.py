@@ -193,17 +193,18 @@ def run_local(
     if stop_on_sigint and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
     try:
+        # As torchrun does: ranks sharing a host's cores take one thread each unless the
+        # spawner's environment says otherwise (two each on two cores spin against each
+        # other: the 1 GiB export at world 4 took 1.5-1.9 s with two, 0.63-0.93 s with
+        # one). Passed on: the forkserver's environment is older.
+        threads = os.environ.get("OMP_NUM_THREADS") or ("1" if world > 1 else "")
+        base_env = {"GLOO_SOCKET_IFNAME": "lo"}
+        if threads:
+            base_env["OMP_NUM_THREADS"] = threads
         with tempfile.TemporaryDirectory(prefix="dext-ranks-") as tmpdir:
             procs = []
             for r in range(world):
-                child_env = {"GLOO_SOCKET_IFNAME": "lo"}
-                # As torchrun does: ranks sharing a host's cores take one thread each unless
-                # the spawner's environment says otherwise (two each on two cores spin
-                # against each other: the 1 GiB export at world 4 took 1.5-1.9 s with two,
-                # 0.63-0.93 s with one). Passed on: the forkserver's environment is older.
-                threads = os.environ.get("OMP_NUM_THREADS") or ("1" if world > 1 else "")
-                if threads:
-                    child_env["OMP_NUM_THREADS"] = threads
+                child_env = dict(base_env)
                 child_env.update(env or {})
                 child_env.update((rank_env or {}).get(r, {}))
                 p = ctx.Process(target=_child, daemon=True,
