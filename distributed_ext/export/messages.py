@@ -144,8 +144,8 @@ def aligned_middles(offset: torch.Tensor, n: torch.Tensor, align: int
 
 def edge_segments(messages: list[list[Segment]], bases: torch.Tensor,
                   align: int) -> list[Segment]:
-    """The edges of a writer's own runs: the bytes of the blocks they share with other runs,
-    computed alike by the writer and dst (``writers="all"``).
+    """The edges of a writer's own runs (``writers="all"``, each rank its own): the bytes of
+    the blocks they share with other runs.
 
     A writer writes the whole aligned blocks inside each run of its ``messages`` (the rows
     of :func:`_rows`, one per run and message); a block that a run covers only in part is

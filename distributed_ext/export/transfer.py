@@ -119,9 +119,12 @@ def _sort_pieces(entries: list[Entry], me: int, to_dst: list[tuple[Entry, Any]],
         key = (id(e.pieces), e.shape, e.dtype.itemsize)
         kind = kinds.get(key)
         if kind is None:
-            short = [p for p in e.pieces if _short(e, p)]
-            own = [p for p in e.pieces if p.rank == me and not _short(e, p)]
-            kind = kinds[key] = (short, own)
+            kind = kinds[key] = ([], [])  # (short, own long)
+            for p in e.pieces:
+                if _short(e, p):
+                    kind[0].append(p)
+                elif p.rank == me:
+                    kind[1].append(p)
         to_dst.extend((e, p) for p in kind[0])
         written.extend((e, p) for p in kind[1])
 
