@@ -1,7 +1,7 @@
 """The shared blocks of the files (``writers="all"``): each written by its owner.
 
-After every rank has written the whole blocks inside its own long runs, what is left are
-their *fragments*, the bytes of blocks two runs share (:func:`.messages.edge_segments`).
+After every rank has written the whole blocks inside its own runs, what is left are their
+*fragments*, the bytes of blocks several runs share (:func:`.messages.edge_segments`).
 Each rank knows only its own. In the preparing round (:func:`resolve_owners`) the blocks
 are dealt out to the ranks, each fragment's row (entry, offset, bytes) goes to its block's
 rank, which decides the owner of each block it was dealt -- the holder of most of its
@@ -151,11 +151,12 @@ def resolve_owners(plan: EdgePlan, ctx: _agree.GroupContext, dst_rank: int, layo
         if fault is not None:
             faults.append(f"rank {ctx.ranks[fault[0]]} sent a malformed fragment: {fault[1]}")
         given = all_counts(torch.tensor([len(t) for t in receipts], dtype=torch.int64))
-        # A rank receives only fragments of blocks it owns: four at most per fragment of its
-        # own there, and dst, which owns the blocks that hold header or short-run bytes,
-        # four per block of the files besides.
-        bound = 4 * dealt.sum(1)
-        bound[dst_rank] += 4 * sum(-(-size // _direct_io.ALIGN) for size in sizes)
+        # A rank receives only fragments of blocks it owns: a block's worth at most per
+        # fragment of its own there, and dst, which owns the blocks that hold header or
+        # tiny-run bytes, a block's worth per block of the files besides.
+        per_block = _owners.fragments_per_block(_direct_io.ALIGN)
+        bound = per_block * dealt.sum(1)
+        bound[dst_rank] += per_block * sum(-(-size // _direct_io.ALIGN) for size in sizes)
         _owners.check_counts(given, bound, "fragments to receive at", what, ctx.ranks)
         taken = given[:, me]
         # One message per rank: the destinations of the rows it sent, then its receipts.

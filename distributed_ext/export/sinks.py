@@ -174,21 +174,42 @@ class FileSink:
 
     def write_middles(self, data: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes only the whole aligned blocks inside each row (a :func:`_rows` table) of
-        a rank's own long runs (``writers="all"``; direct where the filesystem takes it);
-        the partial blocks at a row's ends are their owners' (:meth:`write_edges`; they get
-        their bytes: :func:`~distributed_ext.export.messages.edge_segments`)."""
+        the runs a rank writes itself (``writers="all"``); the partial blocks at a row's
+        ends are their owners' (:meth:`write_edges`; they get their bytes:
+        :func:`~distributed_ext.export.messages.edge_segments`). A long run's middle is one
+        write, direct where the filesystem takes it; short runs' middles (a ``Shard(1)``/TP
+        layout's rows: a block or a few each, between other ranks' runs) go through the
+        page cache in one native call per file -- a direct write per row would cost a
+        device round trip per 4 KiB."""
         if not len(rows):
             return
         idx = rows[:, ROW_ENTRY]
         fid, offset = self._file_of[idx], self._base_of[idx] + rows[:, ROW_OFFSET]
         at, n = rows[:, ROW_AT], rows[:, ROW_NBYTES]
         lo, hi = aligned_middles(offset, n, _direct_io.ALIGN)
-        for i in (hi > lo).nonzero().flatten().tolist():
+        some = hi > lo
+        small = some & (n < SMALL_RUN)
+        if bool(small.any()):
+            # data is held by the caller until this returns
+            table = torch.stack((at[small] + lo[small] + data.data_ptr(),
+                                 offset[small] + lo[small], (hi - lo)[small]), 1)
+            self._write_segments(fid[small], table)
+        for i in (some & ~small).nonzero().flatten().tolist():
             file, a, b = self.files[int(fid[i])], int(lo[i]), int(hi[i])
             start = int(at[i])
             self._written.add(file)
             with self._opened(file):
                 file.write(int(offset[i]) + a, data[start + a : start + b])
+
+    def _write_segments(self, fid: torch.Tensor, table: torch.Tensor) -> None:
+        """Writes a table of ``(src_ptr, file offset, nbytes)`` rows (``fid``: each row's
+        file number) through the page cache, one native call per file."""
+        first, last = int(fid.min()), int(fid.max())
+        for number in [first] if first == last else torch.unique(fid).tolist():
+            file = self.files[number]
+            self._written.add(file)
+            with self._opened(file):
+                file.write_segments(table if first == last else table[fid == number])
 
     def write_edges(self, data: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes fragments of the shared blocks this rank owns (rows of under a block
@@ -200,14 +221,10 @@ class FileSink:
         if not len(rows):
             return
         idx = rows[:, ROW_ENTRY]
-        fid = self._file_of[idx]
+        # data is held by the caller until this returns
         table = torch.stack((rows[:, ROW_AT] + data.data_ptr(),
                              self._base_of[idx] + rows[:, ROW_OFFSET], rows[:, ROW_NBYTES]), 1)
-        for number in torch.unique(fid).tolist():
-            file = self.files[number]
-            self._written.add(file)
-            with self._opened(file):  # data is held by the caller until this returns
-                file.write_segments(table[fid == number])
+        self._write_segments(self._file_of[idx], table)
 
     @property
     def bases(self) -> torch.Tensor:

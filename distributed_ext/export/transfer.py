@@ -1,7 +1,8 @@
 """The data round: every buffer allocated up front, then each sender's messages streamed to
 dst while dst writes its own pieces; a sender and dst's receiver are separate paths that
-run on their own ranks. With every rank writing, each then writes its own long runs, and
-the blocks runs share go to their owners (:mod:`.edges`)."""
+run on their own ranks. With every rank writing, each then writes its own runs (all but
+the tiny ones, which still go to dst), and the blocks runs share go to their owners
+(:mod:`.edges`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from distributed_ext import _agree, _direct_io, _watch
 from distributed_ext.export import edges as _edges
-from distributed_ext.export import sinks
+from distributed_ext.export import owners as _owners
 from distributed_ext.export.messages import (
     Segment,
     _message_nbytes,
@@ -37,8 +38,8 @@ def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
     """Writes this rank's own pieces to the sink, message by message (:func:`plan_messages`):
     small pieces packed, so the files see one batch of runs per chunk, not one call per
     tensor; GPU bytes through the stager's pinned slot (never a whole block on the host).
-    ``middles`` (``writers="all"``, its long pieces): only the whole aligned blocks inside
-    each run; their ends are written by the blocks' owners (:mod:`.edges`)."""
+    ``middles`` (``writers="all"``, the pieces it writes itself): only the whole aligned
+    blocks inside each run; their ends are written by the blocks' owners (:mod:`.edges`)."""
     if not messages:
         return
     write = sink.write_middles if middles else sink.write_batch
@@ -65,7 +66,7 @@ class _Prepared:
     # dst only: each sender's messages still to receive, and its free receive buffers
     plans: dict[int, collections.deque] = field(default_factory=dict)
     free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    # writers="all": the long pieces this rank writes itself (their middles): dst's beside
+    # writers="all": the pieces this rank writes itself (their middles): dst's beside
     # ``messages`` while it receives, a sender's after its transfer (stager: start_local())
     local_messages: list[list[Segment]] = field(default_factory=list)
     local_pinned: _PinnedSlots | None = None
@@ -101,17 +102,17 @@ class _Prepared:
             self.local_pinned = None
 
 
-def _short(e: Entry, p: Any) -> bool:
-    """Whether a piece's runs are short (under ``SMALL_RUN``): with ``writers="all"`` such
-    pieces still go to dst, which assembles them into whole regions -- written by one rank,
-    one write each -- rather than every rank writing its own 1 KiB runs between the others'."""
-    return p.runs(e).run < sinks.SMALL_RUN
+def _tiny(e: Entry, p: Any) -> bool:
+    """Whether a piece's runs are tiny (under :data:`.owners.TINY_RUN`: the shards of small
+    tensors): with ``writers="all"`` such pieces still go to dst, which assembles them into
+    whole regions, rather than each run becoming a fragment of a block to plan and send."""
+    return p.runs(e).run < _owners.TINY_RUN
 
 
 def _sort_pieces(entries: list[Entry], me: int, to_dst: list[tuple[Entry, Any]],
                  written: list[tuple[Entry, Any]]) -> None:
-    """dst's pieces with every rank writing: short ones (any rank's, which it receives) to
-    ``to_dst``, its own long ones to ``written``; the others' long ones it never sees.
+    """dst's pieces with every rank writing: tiny ones (any rank's, which it receives) to
+    ``to_dst``, its own others to ``written``; the others' others it never sees.
     Entries that share one list of pieces (every key of an FSDP2 signature) are sorted
     once: the walk is per entry, not per piece (at world 1024, 1000x fewer steps)."""
     kinds: dict[tuple, tuple[list, list]] = {}
@@ -119,9 +120,9 @@ def _sort_pieces(entries: list[Entry], me: int, to_dst: list[tuple[Entry, Any]],
         key = (id(e.pieces), e.shape, e.dtype.itemsize)
         kind = kinds.get(key)
         if kind is None:
-            kind = kinds[key] = ([], [])  # (short, own long)
+            kind = kinds[key] = ([], [])  # (tiny, own others)
             for p in e.pieces:
-                if _short(e, p):
+                if _tiny(e, p):
                     kind[0].append(p)
                 elif p.rank == me:
                     kind[1].append(p)
@@ -139,11 +140,11 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     ``ctx`` None: one process, no link.
 
     ``local`` (``writers="all"``): every rank, dst included, writes the whole aligned
-    blocks of the long runs it holds itself (:attr:`_Prepared.local_messages`: a sender's
-    through :meth:`_Prepared.start_local` after its transfer; dst's beside its own short
+    blocks of the runs it holds itself (:attr:`_Prepared.local_messages`: a sender's
+    through :meth:`_Prepared.start_local` after its transfer; dst's beside its own tiny
     pieces while it receives: measured, 1 GiB at world 2 on ext4, 0.65-0.69 s a call
-    against 0.93-1.14 s written after); what travels to dst is the pieces of short runs
-    (:func:`_short`), which it assembles into regions. The bytes of blocks that runs share
+    against 0.93-1.14 s written after); what travels to dst is the pieces of tiny runs
+    (:func:`_tiny`), which it assembles into regions. The bytes of blocks that runs share
     (their fragments: :func:`edge_segments`) go to each block's owner, the holder of most of
     its bytes (:attr:`_Prepared.edges`: each rank's own table; the owners are planned in
     the next round, :mod:`.edges`), so that each block of the files has exactly one writer.
@@ -164,14 +165,14 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             streams = [[] for _ in range(world)]
             streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
     else:
-        to_dst: list[tuple[Entry, Any]] = []  # short pieces, dst's own included
-        written: list[tuple[Entry, Any]] = []  # this rank's long ones, written here
+        to_dst: list[tuple[Entry, Any]] = []  # tiny pieces, dst's own included
+        written: list[tuple[Entry, Any]] = []  # this rank's others, written here
         if me == dst_rank:
             _sort_pieces(entries, me, to_dst, written)
         else:
             for e, p in pairs:
                 if p.rank == me:
-                    (to_dst if _short(e, p) else written).append((e, p))
+                    (to_dst if _tiny(e, p) else written).append((e, p))
         assert layout is not None, "writers='all' needs the files' layout"
         # The pieces a rank writes itself never cross the link: cut in whole blocks (a
         # chunk_bytes under 4 KiB or not a multiple of it would share a block between two
@@ -183,13 +184,13 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         local_messages = plan_messages(written, own_chunk, files.bases)
         edge_plan = _edges.plan_edges(edge_segments(local_messages, files.bases,
                                                     _direct_io.ALIGN), files, world)
-        if me == dst_rank:  # each sender's stream: its short pieces
+        if me == dst_rank:  # each sender's stream: its tiny pieces
             streams = plan_streams(to_dst, chunk, world)
         else:
             streams = [[] for _ in range(world)]
             streams[me] = plan_messages(to_dst, chunk)
     messages = streams[me]
-    # dst writes its own long pieces' middles beside its short ones, while it receives.
+    # dst writes its own pieces' middles beside its tiny ones, while it receives.
     gpu_shards = _needs_pinned(state, messages + (local_messages if me == dst_rank else []))
     pinned = None
     prepared = None
@@ -368,7 +369,7 @@ def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
                 ctx: _agree.GroupContext, dst_rank: int, what: str
                 ) -> BaseException | None:
     """The data round on this rank: its messages to dst (:func:`_transfer`); with
-    ``writers="all"`` then its own long runs written (a sender's), the shared blocks'
+    ``writers="all"`` then its own runs written (a sender's), the shared blocks'
     fragments to their owners (:func:`.edges.exchange`) and what it wrote made durable.
 
     Returns this rank's failure (a full disk, a piece that failed to read), for the caller
