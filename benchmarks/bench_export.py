@@ -12,8 +12,14 @@ against the same bytes in 50 entries, ours and torch's ``full_tensor()`` route (
 gathered, rank 0 saving with safetensors), each in fresh ranks; the filesystem and the load
 average are printed beside the figures.
 
+The TP scenario (``--tp``): 16 ``Shard(1)`` entries (each rank's part of a row
+``--tp-run`` bytes: a ``Shard(1)``/TP layout's short runs), ``writers="all"`` beside
+``writers="dst"`` and torch's ``full_tensor()`` route, each in fresh ranks, with the bytes
+each rank wrote and sent.
+
 Usage: python benchmarks/bench_export.py [--sizes 1GiB 4GiB] [--world 2] [--repeat 2]
        python benchmarks/bench_export.py --many [--many-world 4] [--many-entries 5000]
+       python benchmarks/bench_export.py --tp [--sizes 1GiB] [--world 2] [--tp-run 2KiB]
 """
 
 from __future__ import annotations
@@ -37,7 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--many-entries", type=int, default=5000)
     ap.add_argument("--many-bytes", type=bench.parse_bytes, default=1024,
                     help="bytes per entry per rank (default 1KiB)")
+    ap.add_argument("--tp", action="store_true",
+                    help="run the TP-layout scenario (writers all, dst, torch) instead")
+    ap.add_argument("--tp-run", type=bench.parse_bytes, default=2048,
+                    help="bytes of each rank's part of a row (default 2KiB)")
     args = ap.parse_args(argv)
+    if args.tp:
+        base = bench.bench_dir()
+        load = os.getloadavg()
+        for size in args.sizes:
+            rows = bench.measure_tp(args.world, size, args.tp_run, args.repeat, base)
+            print("\n".join(bench.format_tp(rows, args.world, size, args.tp_run, base, load)))
+        return 0
     if args.many:
         base = bench.bench_dir()
         load = os.getloadavg()  # the machine's load before our ranks add to it

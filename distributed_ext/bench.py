@@ -1084,6 +1084,98 @@ def format_many(rows: list[tuple[str, int, Timing]], world: int, per_rank: int, 
     return lines
 
 
+TP_ROUTES = ("writers=all", "writers=dst", "torch full_tensor()+save_file")
+
+
+def _tp_rank(route: str, size: int, run: int, base: str, repeat: int) -> dict | None:
+    """In each fresh rank: a TP layout of ``size`` bytes -- 16 fp32 ``Shard(1)`` DTensors,
+    each rank's part of a row ``run`` bytes -- exported ``1 + repeat`` times by ``route``;
+    dst's Timing and every rank's bytes written and sent (the first call's) as a dict on
+    dst, None elsewhere."""
+    import shutil
+    from dataclasses import asdict
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    import distributed_ext as dx
+    from distributed_ext._timing import time_calls
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    cols = run // 4 * world
+    rows = max(1, size // 16 // (cols * 4))
+    state = {f"model.layers.{i}.w": distribute_tensor(torch.randn(rows, cols, generator=g),
+                                                      mesh, [Shard(1)]) for i in range(16)}
+    out = os.path.join(base, f"dext-tp-{os.getppid()}")
+    moved: list[RankIO] = []
+
+    def call(i: int) -> None:
+        path = f"{out}-{i}"
+        with RankIO() as counted:
+            if route.startswith("writers="):
+                dx.export_hf_checkpoint(state, path, writers=route.split("=")[1])
+            else:  # torch's route: every entry's full_tensor() (a collective), rank 0 saves
+                from safetensors.torch import save_file
+
+                full = {k: v.full_tensor() for k, v in state.items()}
+                if rank == 0:
+                    os.makedirs(path, exist_ok=True)
+                    save_file(full, os.path.join(path, "model.safetensors"),
+                              metadata={"format": "pt"})
+                dist.barrier()
+        moved.append(counted)
+
+    def after(i: int, _value: None) -> None:
+        if rank == 0:
+            shutil.rmtree(f"{out}-{i}", ignore_errors=True)
+
+    timing = time_calls(call, repeat, sync=dist.barrier, after=after)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (moved[0].written, moved[0].sent))  # (our own counts)
+    return {"timing": asdict(timing), "io": every} if rank == 0 else None
+
+
+def measure_tp(world: int, size: int, run: int, repeat: int, base: str
+               ) -> list[tuple[str, Timing, list]]:
+    """Each route of :data:`TP_ROUTES` in fresh local ranks (:func:`_tp_rank`)."""
+    rows = []
+    for route in TP_ROUTES:
+        outcomes = run_local(_tp_rank, world, route, size, run, base, repeat,
+                             timeout=3600, pg_timeout=3600)
+        bad = [o for o in outcomes if not o.ok]
+        if bad:
+            raise RuntimeError(f"{route}: " + "; ".join(o.describe() for o in bad))
+        value = outcomes[0].value
+        rows.append((route, Timing(**value["timing"]), value["io"]))
+        print(f"  done: TP layout, {route}", file=sys.stderr, flush=True)
+    return rows
+
+
+def format_tp(rows: list[tuple[str, Timing, list]], world: int, size: int, run: int,
+              base: str, load: tuple[float, float, float]) -> list[str]:
+    lines = [f"TP layout: world {world} on gloo, 16 fp32 Shard(1) DTensors, "
+             f"{format_size(size)} in all, each rank's part of a row {run} bytes; writing to "
+             f"{base} ({_filesystem(base)}); {_load_text(load)}",
+             "| route | first call s | warm median s | warm min-max s | "
+             "per rank, first call: MB written to files / MB sent |",
+             "|---|---|---|---|---|"]
+    for route, t, counts in rows:
+        per_rank = ", ".join(f"{w / 1e6:.0f}/" + (f"{n / 1e6:.0f}" if route.startswith("w")
+                                                  else "-") for w, n in counts)
+        lines.append(f"| {route} | {t.first:.3f} | {t.median:.3f} | {t.low:.3f}-{t.high:.3f} "
+                     f"| {per_rank} |")
+    get = {r: t for r, t, _io in rows}
+    ours, one, torch_route = (get[r] for r in TP_ROUTES)
+    for label, a, b in (("writers=dst / writers=all", one, ours),
+                        ("torch's route / writers=all", torch_route, ours)):
+        lines.append(f"  {label}: first call {a.first / b.first:.2f}x, "
+                     f"warm {a.median / b.median:.2f}x")
+    return lines
+
+
 def touch_machine_memory(nbytes: int) -> None:
     """Writes ``nbytes`` of memory once in this process, then frees it, before any rank starts.
 

@@ -1068,6 +1068,9 @@ def test_runs_are_arithmetic_and_every_segment_maps_to_the_right_bytes():
         for cut in cuts:  # as messages split it
             for where, at, m in runs.pieces(start, cut - start, start):
                 seen += [(at + k, where + k) for k in range(m)]
+            # ... and as a table (the same rows, computed with tensors)
+            assert runs.table(start, cut - start, start + 7).tolist() == \
+                [[w, a + 7, m] for w, a, m in runs.pieces(start, cut - start, start)]
             start = cut
         assert sorted(a for a, _w in seen) == list(range(nbytes))
         for at, where in seen:

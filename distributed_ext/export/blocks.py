@@ -8,6 +8,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from distributed_ext.export import keys as _keys
 
 
@@ -142,6 +144,23 @@ class Runs:
             skip = 0
             i += 1
         return out
+
+    def table(self, start: int, n: int, at: int = 0) -> torch.Tensor:
+        """:meth:`pieces` as an int64 table, one row ``(offset in the full tensor, offset
+        in the message, nbytes)`` per run, computed with a few tensor operations however
+        many runs the bytes span (a TP block's rows: thousands per message)."""
+        if not self.counts:
+            return torch.tensor([[self.base + start, at, n]], dtype=torch.int64)
+        end = start + n
+        i = torch.arange(start // self.run, (end - 1) // self.run + 1, dtype=torch.int64)
+        first = i * self.run  # where each run starts in the block's bytes
+        lo, hi = first.clamp(min=start), (first + self.run).clamp(max=end)
+        offset = torch.full_like(i, self.base) + (lo - first)
+        rest = i
+        for count, stride in zip(reversed(self.counts), reversed(self.strides)):
+            offset += (rest % count) * stride
+            rest = rest // count
+        return torch.stack((offset, lo - start + at, hi - lo), 1)
 
 
 def block_runs(block: Block, shape: tuple[int, ...], itemsize: int) -> Runs:

@@ -73,22 +73,26 @@ def _canonical(rows: torch.Tensor) -> torch.Tensor:
                       stable=True).indices
 
 
-def plan_edges(fragments: list[Segment], layout: Any, world: int) -> EdgePlan:
-    """A rank's :class:`EdgePlan` of its ``fragments``, with the ranks their blocks are
-    dealt to (:func:`.owners.coordinators`): made in the round before the owners are
-    resolved, so that whatever can fail here is agreed before any rank enters those
-    collectives."""
-    rows = fragment_table(fragments)
+def plan_edges(fragments: list[Segment], layout: Any, world: int,
+               rows: torch.Tensor | None = None) -> EdgePlan:
+    """A rank's :class:`EdgePlan` of its ``fragments`` (``rows``: their fragment table, as
+    :func:`.messages.edge_table` gives it, if known), with the ranks their blocks are dealt
+    to (:func:`.owners.coordinators`): made in the round before the owners are resolved,
+    so that whatever can fail here is agreed before any rank enters those collectives."""
+    rows = fragment_table(fragments, rows)
     to = _owners.coordinators(rows, layout.file_of, layout.bases, layout.sizes, world,
                               _direct_io.ALIGN)
     return EdgePlan(fragments, rows, torch.sort(to, stable=True).indices,
                     torch.bincount(to, minlength=world))
 
 
-def fragment_table(fragments: list[Segment]) -> torch.Tensor:
-    """The fragment table of ``fragments`` (one row each: each lies inside one run), in
-    canonical order (:func:`_canonical`); ``fragments`` is put in the same order, in place."""
-    rows = _rows(fragments)
+def fragment_table(fragments: list[Segment], rows: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The fragment table of ``fragments`` (one row each: each lies inside one run; given
+    as ``rows``, or computed), in canonical order (:func:`_canonical`); ``fragments`` is
+    put in the same order, in place."""
+    if rows is None:
+        rows = _rows(fragments)
     assert len(rows) == len(fragments), "a fragment spans runs"
     order = _canonical(rows)
     fragments[:] = [fragments[i] for i in order.tolist()]
@@ -281,11 +285,8 @@ def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> 
     def body(_worker: Any) -> None:
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
-        for message in plan.kept:
-            data, _keep = stager.stage(message, 0)
-            write(data, _rows(message))
         rounds = max([len(v) for v in plan.outgoing.values()]
-                     + [len(v) for v in plan.incoming.values()] + [0])
+                     + [len(v) for v in plan.incoming.values()] + [len(plan.kept)])
         for k in range(rounds):
             ops, landed = [], []
             for r, ms in plan.outgoing.items():
@@ -301,7 +302,15 @@ def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> 
                     landed.append((buf, ts[k]))
             done = False
             try:
-                for work in _post(ops, ctx):
+                posted = _post(ops, ctx)
+                # This rank's own fragments, a message a round while the others' travel: all
+                # of them reach an owner in file order together, so that the regions they
+                # fill complete as they go (written first, dst's would be spilled, 4 KiB a
+                # write, before the others' bytes of the same regions arrived).
+                if k < len(plan.kept):
+                    data, _keep = stager.stage(plan.kept[k], 0)  # (sends were copied out)
+                    write(data, _rows(plan.kept[k]))
+                for work in posted:
                     work.wait()
                 done = True
             finally:

@@ -32,19 +32,49 @@ def _rows(message: list[Segment], at: int = 0) -> torch.Tensor:
     tensor, offset in the message, nbytes)``, one row per contiguous run (one per segment,
     mostly); ``at``: where the first segment starts in the message. Computed per message
     from each piece's :class:`Runs`: at most a message's worth of rows exists at a time."""
-    flat = array.array("q")
-    for e, p, start, n in message:
+    return _segment_rows(message, at)[0]
+
+
+# A segment spanning more runs than this has its rows computed as tensors (Runs.table);
+# fewer, one by one (cheaper than a few tensor operations).
+_TABLE_RUNS = 16
+
+
+def _segment_rows(message: list[Segment], at: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_rows`, and per row the index of its segment in ``message`` (int64)."""
+    flat, owner = array.array("q"), array.array("q")
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def flush() -> None:
+        if flat:
+            parts.append((torch.frombuffer(flat[:], dtype=torch.int64).reshape(-1, 4),
+                          torch.frombuffer(owner[:], dtype=torch.int64)))
+            del flat[:], owner[:]
+
+    for j, (e, p, start, n) in enumerate(message):
         runs = p.runs(e)
+        i = e.index
         if not runs.counts:  # most pieces: one run, no search
-            flat.extend((e.index, runs.base + start, at, n))
-        else:
-            i = e.index
+            flat.extend((i, runs.base + start, at, n))
+            owner.append(j)
+        elif (start + n - 1) // runs.run - start // runs.run < _TABLE_RUNS:
             for offset, a, m in runs.pieces(start, n, at):
                 flat.extend((i, offset, a, m))
+                owner.append(j)
+        else:
+            flush()
+            table = runs.table(start, n, at)
+            rows = torch.empty((len(table), 4), dtype=torch.int64)
+            rows[:, 0] = i
+            rows[:, 1:] = table
+            parts.append((rows, torch.full((len(table),), j, dtype=torch.int64)))
         at += n
-    if not flat:
-        return torch.empty((0, 4), dtype=torch.int64)
-    return torch.frombuffer(flat, dtype=torch.int64).reshape(-1, 4)  # keeps ``flat`` alive
+    flush()
+    if not parts:
+        return torch.empty((0, 4), dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([r for r, _o in parts]), torch.cat([o for _r, o in parts])
 
 
 def _placement(sink: Any, message: list[Segment]) -> int:
@@ -145,6 +175,13 @@ def aligned_middles(offset: torch.Tensor, n: torch.Tensor, align: int
 def edge_segments(messages: list[list[Segment]], bases: torch.Tensor,
                   align: int) -> list[Segment]:
     """The edges of a writer's own runs (``writers="all"``, each rank its own): the bytes of
+    the blocks they share with other runs (:func:`edge_table`'s segments)."""
+    return edge_table(messages, bases, align)[0]
+
+
+def edge_table(messages: list[list[Segment]], bases: torch.Tensor, align: int
+               ) -> tuple[list[Segment], torch.Tensor]:
+    """The edges of a writer's own runs (``writers="all"``, each rank its own): the bytes of
     the blocks they share with other runs.
 
     A writer writes the whole aligned blocks inside each run of its ``messages`` (the rows
@@ -152,19 +189,43 @@ def edge_segments(messages: list[list[Segment]], bases: torch.Tensor,
     shared with other runs -- another rank's, or this rank's next message -- so its bytes
     go to one rank, the block's owner (:mod:`.owners`), which writes the block: every block
     of a file has one writer. Returns the segments ``(entry, piece, start, nbytes)`` of those
-    partial blocks, in order: under ``align`` bytes each, each inside one block and one run,
-    at most two per run. ``bases``: per entry index, the file offset of its data."""
-    out: list[Segment] = []
+    partial blocks, in order (under ``align`` bytes each, each inside one block and one
+    run, at most two per run), and their fragment table (one row each, ``ROW_AT`` unused):
+    computed as tables, not per run. ``bases``: per entry index, the file offset of its
+    data."""
+    segments = [seg for message in messages for seg in message]
+    if not segments:
+        return [], torch.empty((0, 4), dtype=torch.int64)
+    # Every message's rows as one table (each message's own positions in ROW_AT), and
+    # where each segment starts in its message.
+    tables, owners, at = [], [], []
+    first = 0
     for message in messages:
-        for e, p, s, m in message:
-            base = int(bases[e.index])
-            for offset, at, k in p.runs(e).pieces(s, m):
-                lo, hi = aligned_middle(base + offset, k, align)
-                if lo:
-                    out.append((e, p, s + at, lo))
-                if hi < k:
-                    out.append((e, p, s + at + hi, k - hi))
-    return out
+        rows, owner = _segment_rows(message)
+        tables.append(rows)
+        owners.append(owner + first)
+        pos = 0
+        for seg in message:
+            at.append(pos)
+            pos += seg[3]
+        first += len(message)
+    rows, owner = torch.cat(tables), torch.cat(owners)
+    starts = torch.tensor([seg[2] for seg in segments], dtype=torch.int64)
+    entry, offset, n = rows[:, ROW_ENTRY], rows[:, ROW_OFFSET], rows[:, ROW_NBYTES]
+    # Each row's first byte in its piece's own bytes (what the stager reads).
+    start = starts[owner] + rows[:, ROW_AT] - torch.tensor(at, dtype=torch.int64)[owner]
+    lo, hi = aligned_middles(bases[entry] + offset, n, align)
+    head, tail = lo > 0, hi < n
+    # Per row its head (before lo), then its tail (from hi): in order.
+    which = torch.stack((head, tail), 1).reshape(-1)
+    pick = torch.arange(len(rows), dtype=torch.int64).repeat_interleave(2)[which]
+    is_tail = torch.arange(2, dtype=torch.int64).repeat(len(rows))[which].bool()
+    skip = torch.where(is_tail, hi[pick], 0)
+    size = torch.where(is_tail, n[pick] - hi[pick], lo[pick])
+    table = torch.stack((entry[pick], offset[pick] + skip, torch.zeros_like(skip), size), 1)
+    out = [(segments[j][0], segments[j][1], s, k) for j, s, k in
+           zip(owner[pick].tolist(), (start[pick] + skip).tolist(), size.tolist())]
+    return out, table
 
 
 def pack_bounds(sizes: Iterable[int], cap: int) -> list[int]:

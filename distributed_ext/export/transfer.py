@@ -23,7 +23,7 @@ from distributed_ext.export.messages import (
     _message_nbytes,
     _placement,
     _rows,
-    edge_segments,
+    edge_table,
     plan_messages,
     plan_streams,
 )
@@ -145,7 +145,7 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     pieces while it receives: measured, 1 GiB at world 2 on ext4, 0.65-0.69 s a call
     against 0.93-1.14 s written after); what travels to dst is the pieces of tiny runs
     (:func:`_tiny`), which it assembles into regions. The bytes of blocks that runs share
-    (their fragments: :func:`edge_segments`) go to each block's owner, the holder of most of
+    (their fragments: :func:`edge_table`) go to each block's owner, the holder of most of
     its bytes (:attr:`_Prepared.edges`: each rank's own table; the owners are planned in
     the next round, :mod:`.edges`), so that each block of the files has exactly one writer.
     ``layout()``: the files (a sink: each entry's file and offset)."""
@@ -182,8 +182,8 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         # the owners of others' shared blocks (:func:`.edges.resolve_owners`).
         files = layout()
         local_messages = plan_messages(written, own_chunk, files.bases)
-        edge_plan = _edges.plan_edges(edge_segments(local_messages, files.bases,
-                                                    _direct_io.ALIGN), files, world)
+        fragments, rows = edge_table(local_messages, files.bases, _direct_io.ALIGN)
+        edge_plan = _edges.plan_edges(fragments, files, world, rows)
         if me == dst_rank:  # each sender's stream: its tiny pieces
             streams = plan_streams(to_dst, chunk, world)
         else:
