@@ -1664,7 +1664,7 @@ def test_one_rank_deals_its_shared_blocks_at_a_simulated_world_of_1024():
     holdings = export_pieces.merge_holdings(described, list(range(world)), 0, None)
     entries = export_pieces.plan_entries(holdings, None, 0, list(range(world)), keep=me,
                                          spread=True)
-    written = [(e, p) for e in entries for p in e.pieces if not transfer._tiny(e, p)]
+    written = [(e, p) for e in entries for p in e.pieces if not transfer._short(e, p)]
     messages = E.plan_messages(written, 16 * 2**20, Files.bases)
     plan = edges.plan_edges(edge_segments(messages, Files.bases, 4096), Files, world)
     peak = tracemalloc.get_traced_memory()[1]
@@ -1679,8 +1679,13 @@ def test_one_rank_deals_its_shared_blocks_at_a_simulated_world_of_1024():
     assert peak < 160 * 2**20, peak / 2**20  # (Python objects; tables of its own rows)
 
 
-def _both_writers_2d(base):
+def _both_writers_2d(base, short_run):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    from distributed_ext.export import owners as export_owners
+
+    if short_run is not None:  # runs from this length up are written where they are held
+        export_owners.SHORT_RUN = short_run
 
     mesh = init_device_mesh("cpu", (2, 2))
     g = torch.Generator().manual_seed(1)
@@ -1703,15 +1708,17 @@ def _both_writers_2d(base):
     return out
 
 
-def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(tmp_path):
-    values = assert_all_ok(run_ranks(_both_writers_2d, 4, str(tmp_path), timeout=180))
+@pytest.mark.parametrize("short_run", [None, 512])
+def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(short_run, tmp_path):
+    values = assert_all_ok(run_ranks(_both_writers_2d, 4, str(tmp_path), short_run,
+                                     timeout=180))
     data = (tmp_path / "all" / E.WEIGHTS_NAME).read_bytes()
     assert data == (tmp_path / "dst" / E.WEIGHTS_NAME).read_bytes()
     # Each 256 KiB HSDP block is written once, by one of its two holders (dst for the one it
     # holds, one of ranks 1 and 3 for the other); each 4 MiB one is split between its two
-    # holders (2 MiB each: every rank writes); the FSDP+TP blocks' rows are 2 KiB runs, each
-    # written by its holder (below). All ranks together write the file once, not once per
-    # replica.
+    # holders (2 MiB each: every rank writes); the FSDP+TP blocks' rows are 2 KiB runs:
+    # short, which dst assembles, or -- SHORT_RUN lowered to 512 bytes -- each written by
+    # its holder (below). All ranks together write the file once, not once per replica.
     assert len(data) <= sum(v["all"] for v in values) < len(data) + 2**20, values
     assert values[0]["all"] < len(data) - 4 * 2**20, values  # dst did not write it all
     assert max(values[r]["all"] for r in (1, 3)) >= 2 * 2**20 + 256 * 2**10, values
@@ -1720,8 +1727,9 @@ def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(tmp_pa
         assert not values[a]["all blocks"] & values[b]["all blocks"], (a, b)
     # The FSDP+TP tensor, against the file's own header: rank r holds rows 128 * (r // 2)
     # on, columns 512 * (r % 2) on -- rows of 2 KiB runs, two ranks' in each 4 KiB of the
-    # file. Each block inside it is written by the rank holding most of its bytes (ties:
-    # dst, then the lower rank): the rows ranks 2 and 3 hold, by one of them, not by dst.
+    # file. Under SHORT_RUN (the default) dst writes every block of it; with 512, each
+    # block is written by the rank holding most of its bytes (ties: dst, then the lower
+    # rank): the rows ranks 2 and 3 hold, by one of them, not by dst.
     head_len = int.from_bytes(data[:8], "little")
     lo, _hi = json.loads(data[8 : 8 + head_len])["fsdp_tp"]["data_offsets"]
     base = 8 + head_len + lo
@@ -1738,30 +1746,25 @@ def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(tmp_pa
     owners = set()
     for blk in inside:
         by_rank = held[blk]
-        owner = max(by_rank, key=lambda r: (by_rank[r], r == 0, -r))
+        owner = max(by_rank, key=lambda r: (by_rank[r], r == 0, -r)) if short_run else 0
         writers = [r for r in range(4) if (E.WEIGHTS_NAME, blk) in values[r]["all blocks"]]
         assert writers == [owner], (blk, by_rank, writers)
         owners.add(owner)
-    assert len(inside) >= 250 and 2 in owners, (len(inside), owners)
+    assert len(inside) >= 250 and (2 in owners) == bool(short_run), (len(inside), owners)
 
 
 @pytest.mark.parametrize("spread", [False, True])
 def test_replicated_blocks_are_split_between_their_holders_only_where_every_rank_writes(
         spread):
     # One process, the planner alone: a 4 MiB plain tensor 3 ranks hold, a 4 MiB column
-    # block of a replicated TP shard (rows of 1 KiB: short, written where held), one of a
-    # narrow TP shard (rows of 256 bytes: tiny, dst's to assemble), and 1 MiB held twice.
+    # block of a replicated TP shard (rows of 1 KiB: short), and 1 MiB held twice.
     from distributed_ext.export import entries as export_entries
     from distributed_ext.export import pieces as export_pieces
 
     whole = E.Block((0, 0), (4096, 256))
     column = E.Block((0, 0), (4096, 256))
     small = E.Block((0, 0), (1024, 256))
-    narrow = E.Block((0, 0), (16384, 64))
     holdings = {
-        "narrow": export_pieces.Holding(
-            "narrow", export_entries.Signature("float32", (16384, 128)),
-            [(1, narrow), (2, narrow), (0, E.Block((0, 64), (16384, 64)))]),
         "dense": export_pieces.Holding(
             "dense", export_entries.Signature("float32", (4096, 256)),
             [(r, whole) for r in range(3)]),
@@ -1778,21 +1781,15 @@ def test_replicated_blocks_are_split_between_their_holders_only_where_every_rank
         assert got["dense"] == [(0, whole, None)]
         assert [r for r, _b, _l in got["tp"]] == [0, 2] and [r for r, *_ in got["small"]] in \
             ([1], [2])
-        assert [r for r, *_ in got["narrow"]] in ([1, 0], [2, 0])
         return
     # Every holder writes a third of the plain tensor's rows, from its own copy ...
     assert got["dense"] == [
         (0, E.Block((0, 0), (1366, 256)), (slice(0, 1366),)),
         (1, E.Block((1366, 0), (1365, 256)), (slice(1366, 2731),)),
         (2, E.Block((2731, 0), (1365, 256)), (slice(2731, 4096),))]
-    # ... and of the replicated column block's (its 1 KiB rows are written where held) ...
-    assert got["tp"] == [
-        (0, E.Block((0, 0), (2048, 256)), (slice(0, 2048),)),
-        (1, E.Block((2048, 0), (2048, 256)), (slice(2048, 4096),)),
-        (2, E.Block((0, 256), (4096, 256)), None)]
-    # ... but a column block of tiny rows is not split (they would be sent to dst), nor a
+    # ... a column block is not split (its rows would be short runs, sent to dst), nor a
     # block under 2 MiB: one holder writes each, the least loaded.
-    assert len(got["narrow"]) == 2 and got["narrow"][0][2] is None
+    assert len(got["tp"]) == 2 and got["tp"][1][0] == 2 and got["tp"][0][2] is None
     assert len(got["small"]) == 1 and got["small"][0][2] is None
     for e in entries:  # the pieces tile each tensor
         assert sum(p.nbytes for p in e.pieces) == e.nbytes
@@ -2102,9 +2099,9 @@ def _short_rows_every_rank_writes(out):
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(5)
-    tiny = export_owners.TINY_RUN
-    # Shard(1) rows of exactly TINY_RUN bytes (8 a block, from every rank in turn), of
-    # 1.5 KiB (which the 4 KiB chunks cut inside a run), and of one float under TINY_RUN.
+    tiny = export_owners.SHORT_RUN = 512  # (at most 20 fragments a block)
+    # Shard(1) rows of exactly SHORT_RUN bytes (8 a block, from every rank in turn), of
+    # 1.5 KiB (which the 4 KiB chunks cut inside a run), and of one float under SHORT_RUN.
     state = {
         "at_tiny": distribute_tensor(torch.randn(300, tiny // 4 * world, generator=g),
                                      mesh, [Shard(1)]),
@@ -2123,10 +2120,11 @@ def _short_rows_every_rank_writes(out):
     return got, full
 
 
-def test_tp_rows_down_to_tiny_runs_are_written_where_they_are_held(tmp_path):
-    # Runs of a Shard(1) layout at least TINY_RUN long are written by their holders, every
-    # block once, by the holder of most of its bytes; shorter ones go to dst. The files are
-    # the single writer's, byte for byte.
+def test_tp_rows_down_to_the_short_run_threshold_are_written_where_they_are_held(tmp_path):
+    # SHORT_RUN lowered to its least (512 bytes: 20 fragments a block): runs of a Shard(1)
+    # layout at least that long are written by their holders, every block once, by the
+    # holder of most of its bytes; shorter ones go to dst. The files are the single
+    # writer's, byte for byte.
     world = 3
     values = assert_all_ok(run_ranks(_short_rows_every_rank_writes, world, str(tmp_path),
                                      timeout=120))
@@ -2184,7 +2182,7 @@ def test_owners_planned_by_the_ranks_blocks_are_dealt_to_equal_one_plan_of_them_
     tables = []
     for r in range(world):
         mine = [(e, p) for e in entries for p in e.pieces
-                if p.rank == r and not transfer._tiny(e, p)]
+                if p.rank == r and not transfer._short(e, p)]
         own = edge_segments(E.plan_messages(mine, 2**20, bases), bases, 4096)
         tables.append(edges.fragment_table(own))
     assert all(len(t) > 2 for t in tables)

@@ -157,7 +157,7 @@ def resolve_owners(plan: EdgePlan, ctx: _agree.GroupContext, dst_rank: int, layo
         given = all_counts(torch.tensor([len(t) for t in receipts], dtype=torch.int64))
         # A rank receives only fragments of blocks it owns: a block's worth at most per
         # fragment of its own there, and dst, which owns the blocks that hold header or
-        # tiny-run bytes, a block's worth per block of the files besides.
+        # short-run bytes, a block's worth per block of the files besides.
         per_block = _owners.fragments_per_block(_direct_io.ALIGN)
         bound = per_block * dealt.sum(1)
         bound[dst_rank] += per_block * sum(-(-size // _direct_io.ALIGN) for size in sizes)

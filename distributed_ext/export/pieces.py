@@ -283,11 +283,11 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
 
 def _long_rows(wb: Block, shape: tuple[int, ...], itemsize: int) -> bool:
     """Whether a block's runs are long enough to be written where they are held (a row
-    range of a column block whose rows are tiny would go to dst: split, it would cross the
-    link instead of being dst's own copy)."""
+    range of a column block, e.g. of a replicated TP shard, would go to dst as short runs:
+    split, it would cross the link instead of being dst's own copy)."""
     from distributed_ext.export import owners  # (it imports .messages, which imports this)
 
-    return _piece_runs(wb, shape, itemsize).run >= owners.TINY_RUN
+    return _piece_runs(wb, shape, itemsize).run >= owners.SHORT_RUN
 
 
 def _add_spread(entry: Entry, source: str, wb: Block, owners: list[int], ways: int,

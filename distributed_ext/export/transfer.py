@@ -1,8 +1,7 @@
 """The data round: every buffer allocated up front, then each sender's messages streamed to
 dst while dst writes its own pieces; a sender and dst's receiver are separate paths that
-run on their own ranks. With every rank writing, each then writes its own runs (all but
-the tiny ones, which still go to dst), and the blocks runs share go to their owners
-(:mod:`.edges`)."""
+run on their own ranks. With every rank writing, each then writes its own long runs (the
+short ones still go to dst), and the blocks runs share go to their owners (:mod:`.edges`)."""
 
 from __future__ import annotations
 
@@ -102,17 +101,18 @@ class _Prepared:
             self.local_pinned = None
 
 
-def _tiny(e: Entry, p: Any) -> bool:
-    """Whether a piece's runs are tiny (under :data:`.owners.TINY_RUN`: the shards of small
-    tensors): with ``writers="all"`` such pieces still go to dst, which assembles them into
-    whole regions, rather than each run becoming a fragment of a block to plan and send."""
-    return p.runs(e).run < _owners.TINY_RUN
+def _short(e: Entry, p: Any) -> bool:
+    """Whether a piece's runs are short (under :data:`.owners.SHORT_RUN`: small tensors, the
+    rows of a ``Shard(1)``/TP layout): with ``writers="all"`` such pieces still go to dst,
+    which assembles them into whole regions -- one write each -- rather than every rank
+    writing its own few blocks between the others' (measured: the numbers at SHORT_RUN)."""
+    return p.runs(e).run < _owners.SHORT_RUN
 
 
 def _sort_pieces(entries: list[Entry], me: int, to_dst: list[tuple[Entry, Any]],
                  written: list[tuple[Entry, Any]]) -> None:
-    """dst's pieces with every rank writing: tiny ones (any rank's, which it receives) to
-    ``to_dst``, its own others to ``written``; the others' others it never sees.
+    """dst's pieces with every rank writing: short ones (any rank's, which it receives) to
+    ``to_dst``, its own long ones to ``written``; the others' long ones it never sees.
     Entries that share one list of pieces (every key of an FSDP2 signature) are sorted
     once: the walk is per entry, not per piece (at world 1024, 1000x fewer steps)."""
     kinds: dict[tuple, tuple[list, list]] = {}
@@ -120,9 +120,9 @@ def _sort_pieces(entries: list[Entry], me: int, to_dst: list[tuple[Entry, Any]],
         key = (id(e.pieces), e.shape, e.dtype.itemsize)
         kind = kinds.get(key)
         if kind is None:
-            kind = kinds[key] = ([], [])  # (tiny, own others)
+            kind = kinds[key] = ([], [])  # (short, own long)
             for p in e.pieces:
-                if _tiny(e, p):
+                if _short(e, p):
                     kind[0].append(p)
                 elif p.rank == me:
                     kind[1].append(p)
@@ -141,10 +141,10 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
 
     ``local`` (``writers="all"``): every rank, dst included, writes the whole aligned
     blocks of the runs it holds itself (:attr:`_Prepared.local_messages`: a sender's
-    through :meth:`_Prepared.start_local` after its transfer; dst's beside its own tiny
+    through :meth:`_Prepared.start_local` after its transfer; dst's beside its own short
     pieces while it receives: measured, 1 GiB at world 2 on ext4, 0.65-0.69 s a call
-    against 0.93-1.14 s written after); what travels to dst is the pieces of tiny runs
-    (:func:`_tiny`), which it assembles into regions. The bytes of blocks that runs share
+    against 0.93-1.14 s written after); what travels to dst is the pieces of short runs
+    (:func:`_short`), which it assembles into regions. The bytes of blocks that runs share
     (their fragments: :func:`edge_table`) go to each block's owner, the holder of most of
     its bytes (:attr:`_Prepared.edges`: each rank's own table; the owners are planned in
     the next round, :mod:`.edges`), so that each block of the files has exactly one writer.
@@ -165,14 +165,14 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             streams = [[] for _ in range(world)]
             streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
     else:
-        to_dst: list[tuple[Entry, Any]] = []  # tiny pieces, dst's own included
-        written: list[tuple[Entry, Any]] = []  # this rank's others, written here
+        to_dst: list[tuple[Entry, Any]] = []  # short pieces, dst's own included
+        written: list[tuple[Entry, Any]] = []  # this rank's long ones, written here
         if me == dst_rank:
             _sort_pieces(entries, me, to_dst, written)
         else:
             for e, p in pairs:
                 if p.rank == me:
-                    (to_dst if _tiny(e, p) else written).append((e, p))
+                    (to_dst if _short(e, p) else written).append((e, p))
         assert layout is not None, "writers='all' needs the files' layout"
         # The pieces a rank writes itself never cross the link: cut in whole blocks (a
         # chunk_bytes under 4 KiB or not a multiple of it would share a block between two
@@ -184,13 +184,13 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         local_messages = plan_messages(written, own_chunk, files.bases)
         fragments, rows = edge_table(local_messages, files.bases, _direct_io.ALIGN)
         edge_plan = _edges.plan_edges(fragments, files, world, rows)
-        if me == dst_rank:  # each sender's stream: its tiny pieces
+        if me == dst_rank:  # each sender's stream: its short pieces
             streams = plan_streams(to_dst, chunk, world)
         else:
             streams = [[] for _ in range(world)]
             streams[me] = plan_messages(to_dst, chunk)
     messages = streams[me]
-    # dst writes its own pieces' middles beside its tiny ones, while it receives.
+    # dst writes its own pieces' middles beside its short ones, while it receives.
     gpu_shards = _needs_pinned(state, messages + (local_messages if me == dst_rank else []))
     pinned = None
     prepared = None
