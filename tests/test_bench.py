@@ -345,3 +345,18 @@ def test_a_call_without_progress_of_its_own_shows_a_line_even_when_short(capsys)
         pass  # shorter than a redraw
     err = capsys.readouterr().err
     assert "bytes (raw gloo send/recv) 1/3" in err and "running" in err
+
+
+def test_the_tp_scenario_prints_each_route_beside_writers_all_with_their_ratios(tmp_path):
+    from distributed_ext._timing import Timing
+
+    rows = [("writers=all", Timing(1.0, [0.5, 0.7, 0.6]), [(100e6, 0), (0, 50e6)]),
+            ("writers=dst", Timing(1.5, [0.9, 0.9]), [(150e6, 0), (0, 50e6)]),
+            ("torch full_tensor()+save_file", Timing(4.0, [3.0]), [(200e6, 10e6), (9, 9)])]
+    lines = bench.format_tp(rows, 2, 2**30, 2048, str(tmp_path), (1.0, 2.0, 3.0))
+    assert "world 2" in lines[0] and "2048 bytes" in lines[0] and "1.00 2.00 3.00" in lines[0]
+    assert "| writers=all | 1.000 | 0.600 | 0.500-0.700 | 100/0, 0/50 |" in lines
+    assert "| torch full_tensor()+save_file | 4.000 | 3.000 | 3.000-3.000 | 200/-, 0/- |" \
+        in lines
+    assert "  writers=dst / writers=all: first call 1.50x, warm 1.50x" in lines
+    assert "  torch's route / writers=all: first call 4.00x, warm 5.00x" in lines
