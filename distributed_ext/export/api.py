@@ -299,15 +299,15 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     ranks' runs share is written by the rank holding most of its bytes (dst where it holds
     the header or short runs), to which the other sends its bytes there (under 4 KiB at
     each end of a run; the ranks plan who owns what, each the blocks dealt to it, in one
-    preparing round). That needs a directory every rank sees as dst does (a shared filesystem, or
-    one machine): dst writes a probe with a random token into its stage and every rank
-    reads it back. ``"dst"``: dst writes every byte (no shared filesystem needed).
+    preparing round). That needs a directory every rank sees as dst does (a shared
+    filesystem, or one machine): dst writes a probe with a random token into its stage and
+    every rank reads it back. ``"dst"``: dst writes every byte (no shared filesystem needed).
     ``"auto"`` (default): ``"all"`` where every rank sees the directory (one host's local
     disk included), else ``"dst"``; ``"all"`` where some rank does not see it is a
     ValueError on every rank naming those ranks. Pieces of short runs (under 64 KiB: small
     tensors, ``Shard(1)`` rows) go to dst either way, which assembles them into whole
-    regions (measured faster than each rank writing its own few blocks between the others'). Same
-    files, byte for byte, either way.
+    regions (measured faster, on one host, than each rank writing its own few blocks
+    between the others'). Same files, byte for byte, either way.
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two

@@ -1,7 +1,7 @@
 """The shared blocks of the files (``writers="all"``): each written by its owner.
 
 After every rank has written the whole blocks inside its own runs, what is left are their
-*fragments*, the bytes of blocks several runs share (:func:`.messages.edge_segments`).
+*fragments*, the bytes of blocks several runs share (:func:`.messages.edge_table`).
 Each rank knows only its own. In the preparing round (:func:`resolve_owners`) the blocks
 are dealt out to the ranks, each fragment's row (entry, offset, bytes) goes to its block's
 rank, which decides the owner of each block it was dealt -- the holder of most of its

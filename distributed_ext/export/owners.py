@@ -1,15 +1,14 @@
 """Who writes each shared block of the files (``writers="all"``): pure planning.
 
 Every rank writes the whole aligned blocks inside its own runs; a block that several runs
-cover in part (where one rank's run ends and another's begins, or -- runs under a block:
-the rows of a ``Shard(1)``/TP layout -- several runs share it) is shared, and its bytes --
-the *fragments* of :func:`~distributed_ext.export.messages.edge_table`, under a block
-each -- must be written by one rank. The owner of a shared block is the rank that holds
-most of its bytes (ties: dst, then the lowest rank), so that the fewest bytes move; a block
-that also holds bytes dst writes anyway -- the file's header, or short runs (under
-``SHORT_RUN``: small tensors, ``Shard(1)`` rows), which dst assembles into regions -- is
-dst's.
-The others send the owner their fragments there.
+cover in part (where one rank's run ends and another's begins; with a ``SHORT_RUN`` under
+a block, several short runs) is shared, and its bytes -- the *fragments* of
+:func:`~distributed_ext.export.messages.edge_table`, under a block each -- must be written
+by one rank. The owner of a shared block is the rank that holds most of its bytes (ties:
+dst, then the lowest rank), so that the fewest bytes move; a block that also holds bytes
+dst writes anyway -- the file's header, or short runs (under ``SHORT_RUN``: small tensors,
+``Shard(1)`` rows), which dst assembles into regions -- is dst's. The others send the
+owner their fragments there.
 
 No rank sees every fragment: each knows its own. The blocks are dealt out to the ranks
 (:func:`coordinators`), every fragment is sent to its block's rank, which plans the owners

@@ -176,11 +176,12 @@ class FileSink:
         """Writes only the whole aligned blocks inside each row (a :func:`_rows` table) of
         the runs a rank writes itself (``writers="all"``); the partial blocks at a row's
         ends are their owners' (:meth:`write_edges`; they get their bytes:
-        :func:`~distributed_ext.export.messages.edge_segments`). A long run's middle is one
-        write, direct where the filesystem takes it; short runs' middles (a ``Shard(1)``/TP
-        layout's rows: a block or a few each, between other ranks' runs) go through the
-        page cache in one native call per file -- a direct write per row would cost a
-        device round trip per 4 KiB."""
+        :func:`~distributed_ext.export.messages.edge_table`). A long row's middle is one
+        write, direct where the filesystem takes it; the middles of rows under
+        ``SMALL_RUN`` (a piece's last message; with a lower ``owners.SHORT_RUN``, the
+        rows of a ``Shard(1)``/TP layout between other ranks' runs) go through the page
+        cache in one native call per file -- a direct write each would cost a device round
+        trip per few blocks."""
         if not len(rows):
             return
         idx = rows[:, ROW_ENTRY]
