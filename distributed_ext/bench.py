@@ -1019,15 +1019,8 @@ def _many_rank(route: str, entries: int, per_rank: int, base: str, repeat: int
         path = f"{out}-{i}"
         if route == "distributed_ext":
             dx.export_hf_checkpoint(state, path)
-        else:  # torch's route: every entry's full_tensor() (a collective), rank 0 saves
-            from safetensors.torch import save_file
-
-            full = {k: v.full_tensor() for k, v in state.items()}
-            if rank == 0:
-                os.makedirs(path, exist_ok=True)
-                save_file(full, os.path.join(path, "model.safetensors"),
-                          metadata={"format": "pt"})
-            dist.barrier()
+        else:
+            _save_full_tensors(state, path)
 
     def after(i: int, _value: None) -> None:
         if rank == 0:
@@ -1035,6 +1028,19 @@ def _many_rank(route: str, entries: int, per_rank: int, base: str, repeat: int
 
     timing = time_calls(call, repeat, sync=dist.barrier, after=after)
     return asdict(timing) if rank == 0 else None
+
+
+def _save_full_tensors(state: dict, path: str) -> None:
+    """torch's route for a state of DTensors: every entry's ``full_tensor()`` (a collective
+    each), rank 0 saving them with safetensors; every rank returns once it has."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    full = {k: v.full_tensor() for k, v in state.items()}
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        save_file(full, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    dist.barrier()
 
 
 def measure_many(world: int, per_rank: int, many: int, few_factor: int, repeat: int,
@@ -1117,15 +1123,8 @@ def _tp_rank(route: str, size: int, run: int, base: str, repeat: int) -> dict | 
         with RankIO() as counted:
             if route.startswith("writers="):
                 dx.export_hf_checkpoint(state, path, writers=route.split("=")[1])
-            else:  # torch's route: every entry's full_tensor() (a collective), rank 0 saves
-                from safetensors.torch import save_file
-
-                full = {k: v.full_tensor() for k, v in state.items()}
-                if rank == 0:
-                    os.makedirs(path, exist_ok=True)
-                    save_file(full, os.path.join(path, "model.safetensors"),
-                              metadata={"format": "pt"})
-                dist.barrier()
+            else:
+                _save_full_tensors(state, path)
         moved.append(counted)
 
     def after(i: int, _value: None) -> None:
