@@ -2121,7 +2121,7 @@ def _short_rows_every_rank_writes(out):
 
 
 def test_tp_rows_down_to_the_short_run_threshold_are_written_where_they_are_held(tmp_path):
-    # SHORT_RUN lowered to its least (512 bytes: 20 fragments a block): runs of a Shard(1)
+    # SHORT_RUN lowered to 512 bytes (20 fragments a block at most): runs of a Shard(1)
     # layout at least that long are written by their holders, every block once, by the
     # holder of most of its bytes; shorter ones go to dst. The files are the single
     # writer's, byte for byte.
