@@ -141,13 +141,8 @@ def _check_fragments(rows: torch.Tensor, me: int, world: int, file_of: torch.Ten
     """What is wrong with the first bad row of a fragment table from the wire, or None."""
     if not len(rows):
         return None
-    entry, offset, n = rows[:, ROW_ENTRY], rows[:, ROW_OFFSET], rows[:, ROW_NBYTES]
-    bad = (entry < 0) | (entry >= len(nbytes)) | (n <= 0) | (n >= align) | (offset < 0)
-    if not bool(bad.any()):
-        start = bases[entry] + offset
-        bad = (offset + n > nbytes[entry]) | (torch.div(start, align, rounding_mode="floor")
-                                              != torch.div(start + n - 1, align,
-                                                           rounding_mode="floor"))
+    bad = _not_fragments(rows[:, ROW_ENTRY], rows[:, ROW_OFFSET], rows[:, ROW_NBYTES],
+                         nbytes, bases, align)
     if not bool(bad.any()):
         bad = coordinators(rows, file_of, bases, sizes, world, align) != me
     if not bool(bad.any()):
@@ -155,6 +150,24 @@ def _check_fragments(rows: torch.Tensor, me: int, world: int, file_of: torch.Ten
     i = int(bad.nonzero()[0, 0])
     return (f"row {i} (entry, offset, nbytes) {rows[i, [ROW_ENTRY, ROW_OFFSET, ROW_NBYTES]].tolist()} "
             "is not a fragment under one block of an entry, dealt to this rank")
+
+
+def _not_fragments(entry: torch.Tensor, offset: torch.Tensor, n: torch.Tensor,
+                   nbytes: torch.Tensor, bases: torch.Tensor, align: int,
+                   also: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row from the wire, whether ``(entry, offset, n)`` is not a fragment -- bytes of
+    an entry of the plan, under one block: its entry, sizes and offset first (with the
+    rows ``also`` marks), and only if none is bad, indexing by entry, its bounds and
+    block."""
+    bad = (entry < 0) | (entry >= len(nbytes)) | (n <= 0) | (n >= align) | (offset < 0)
+    if also is not None:
+        bad |= also
+    if bool(bad.any()):
+        return bad
+    start = bases[entry] + offset
+    return (offset + n > nbytes[entry]) | (torch.div(start, align, rounding_mode="floor")
+                                           != torch.div(start + n - 1, align,
+                                                        rounding_mode="floor"))
 
 
 def plan_owners(fragments: list[torch.Tensor], file_of: torch.Tensor, bases: torch.Tensor,
@@ -247,13 +260,8 @@ def check_tables(dests: torch.Tensor, receipts: torch.Tensor, rows: torch.Tensor
         raise ValueError(f"receipts of shape {tuple(receipts.shape)}, not (n, 4)")
     src, entry = receipts[:, R_SOURCE], receipts[:, R_ENTRY]
     offset, n = receipts[:, R_OFFSET], receipts[:, R_NBYTES]
-    bad = (src < 0) | (src >= world) | (src == me) | (entry < 0) | (entry >= len(nbytes))
-    bad |= (n <= 0) | (n >= align) | (offset < 0)
-    if not bool(bad.any()):
-        bad = offset + n > nbytes[entry]
-        start = bases[entry] + offset
-        bad |= torch.div(start, align, rounding_mode="floor") != \
-            torch.div(start + n - 1, align, rounding_mode="floor")
+    bad = _not_fragments(entry, offset, n, nbytes, bases, align,
+                         also=(src < 0) | (src >= world) | (src == me))
     if not bool(bad.any()):
         # Grouped by sender in rank order, each sender's in its send order (canonical:
         # entry, offset), as both ends cut them into messages.
