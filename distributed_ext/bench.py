@@ -970,12 +970,18 @@ def _rank_measure(workload: str, method: str, size: int, repeat: int, show: bool
 def measure_fresh(workload: str, method: str, world: int, size: int, repeat: int,
                   chunk_bytes: int | None = None, timeout: float = 3600) -> Result:
     """One method in fresh local ranks (for the scenarios of benchmarks/); raises on failure."""
-    outcomes = run_local(_rank_measure, world, workload, method, size, repeat, False,
-                         chunk_bytes, timeout=timeout, pg_timeout=timeout)
+    return Result(**_dst_value(f"{workload} ({method})", _rank_measure, world, workload,
+                               method, size, repeat, False, chunk_bytes, timeout=timeout))
+
+
+def _dst_value(what: str, fn: Any, world: int, *args: Any, timeout: float = 3600) -> Any:
+    """``fn(*args)`` in ``world`` fresh local ranks; what rank 0 returned. RuntimeError
+    naming ``what`` and every rank that failed, if any did."""
+    outcomes = run_local(fn, world, *args, timeout=timeout, pg_timeout=timeout)
     failed = [o for o in outcomes if not o.ok]
     if failed:
-        raise RuntimeError(f"{workload} ({method}): " + "; ".join(o.describe() for o in failed))
-    return Result(**outcomes[0].value)
+        raise RuntimeError(f"{what}: " + "; ".join(o.describe() for o in failed))
+    return outcomes[0].value
 
 
 # -- many small tensors ----------------------------------------------------------------------
@@ -1050,13 +1056,9 @@ def measure_many(world: int, per_rank: int, many: int, few_factor: int, repeat: 
     rows = []
     for entries, size in ((many, per_rank), (many // few_factor, per_rank * few_factor)):
         for route in ("distributed_ext", "torch full_tensor()+save_file"):
-            outcomes = run_local(_many_rank, world, route, entries, size, base, repeat,
-                                 timeout=3600, pg_timeout=3600)
-            bad = [o for o in outcomes if not o.ok]
-            if bad:
-                raise RuntimeError(f"{route}, {entries} entries: " +
-                                   "; ".join(o.describe() for o in bad))
-            rows.append((route, entries, Timing(**outcomes[0].value)))
+            value = _dst_value(f"{route}, {entries} entries", _many_rank, world, route,
+                               entries, size, base, repeat)
+            rows.append((route, entries, Timing(**value)))
             print(f"  done: {entries} entries, {route}", file=sys.stderr, flush=True)
     return rows
 
@@ -1142,12 +1144,7 @@ def measure_tp(world: int, size: int, run: int, repeat: int, base: str
     """Each route of :data:`TP_ROUTES` in fresh local ranks (:func:`_tp_rank`)."""
     rows = []
     for route in TP_ROUTES:
-        outcomes = run_local(_tp_rank, world, route, size, run, base, repeat,
-                             timeout=3600, pg_timeout=3600)
-        bad = [o for o in outcomes if not o.ok]
-        if bad:
-            raise RuntimeError(f"{route}: " + "; ".join(o.describe() for o in bad))
-        value = outcomes[0].value
+        value = _dst_value(route, _tp_rank, world, route, size, run, base, repeat)
         rows.append((route, Timing(**value["timing"]), value["io"]))
         print(f"  done: TP layout, {route}", file=sys.stderr, flush=True)
     return rows
