@@ -1548,19 +1548,21 @@ def test_writers_must_be_auto_all_or_dst(tmp_path):
 ])
 def test_a_writers_middles_and_edges_cover_its_runs_once(shape, block, base):
     # What a joined writer writes itself (the aligned blocks inside each row of its
-    # messages) and what goes to the blocks' owners (edge_segments) cover each byte of its runs once,
+    # messages) and what goes to the blocks' owners (edge_table) cover each byte of its runs once,
     # and no aligned block is in both; chunk-split rows included.
-    from distributed_ext.export.messages import _rows, aligned_middle, edge_segments, pack
+    from distributed_ext.export.messages import _rows, edge_table, pack
 
     runs = E.block_runs(block, shape, 4)
     piece = E.Piece(1, block, block.numel * 4)
     entry = E.Entry("w", torch.float32, shape, [piece], index=0)
     messages = E.plan_messages([(entry, piece)], 24 * 4096)  # rows split mid-run
-    edges = pack(edge_segments(messages, torch.tensor([base]), 4096), 2**20)
+    edges = pack(edge_table(messages, torch.tensor([base]), 4096)[0], 2**20)
     mine, sent = [], []
     rows = torch.cat([_rows(m) for m in messages]).tolist()
     for row in rows:
-        lo, hi = aligned_middle(base + row[1], row[3], 4096)
+        # (the whole 4 KiB blocks inside the row)
+        lo, hi = min(row[3], -(base + row[1]) % 4096), (base + row[1] + row[3]) // 4096 * 4096
+        hi -= base + row[1]
         if hi > lo:
             mine.append((base + row[1] + lo, hi - lo))
     for m in edges:
@@ -1599,7 +1601,7 @@ def test_one_rank_plans_only_what_concerns_it_at_a_simulated_world_of_1024():
 
     from distributed_ext.export import entries as export_entries
     from distributed_ext.export import pieces as export_pieces
-    from distributed_ext.export.messages import edge_segments, pack
+    from distributed_ext.export.messages import edge_table, pack
 
     world, n, me = 1024, 100_000, 5
     sig = export_entries.Signature("float32", (4096, 64), (("S", 0),), tuple(range(world)),
@@ -1617,7 +1619,7 @@ def test_one_rank_plans_only_what_concerns_it_at_a_simulated_world_of_1024():
     # The edges it would send dst were its pieces long (each entry's data after a header of
     # 4000 bytes: nothing aligned)
     bases = torch.arange(n, dtype=torch.int64) * (4096 * 64 * 4) + 4000
-    edges = pack(edge_segments(messages, bases, 4096), 2**20)
+    edges = pack(edge_table(messages, bases, 4096)[0], 2**20)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     # (each 1 KiB piece inside one 4 KiB block: all of it one edge; 100 packed messages)
@@ -1645,7 +1647,7 @@ def test_one_rank_deals_its_shared_blocks_at_a_simulated_world_of_1024():
     from distributed_ext.export import edges, transfer
     from distributed_ext.export import entries as export_entries
     from distributed_ext.export import pieces as export_pieces
-    from distributed_ext.export.messages import edge_segments
+    from distributed_ext.export.messages import edge_table
 
     world, n, me, row = 1024, 100_000, 5, 4124
     sig = export_entries.Signature("float32", (32 * world + 3, row // 4), (("S", 0),),
@@ -1666,7 +1668,7 @@ def test_one_rank_deals_its_shared_blocks_at_a_simulated_world_of_1024():
                                          spread=True)
     written = [(e, p) for e in entries for p in e.pieces if not transfer._short(e, p)]
     messages = E.plan_messages(written, 16 * 2**20, Files.bases)
-    plan = edges.plan_edges(edge_segments(messages, Files.bases, 4096), Files, world)
+    plan = edges.plan_edges(edge_table(messages, Files.bases, 4096)[0], Files, world)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert len(written) == n and len(plan.rows) == 2 * n  # both ends of each of its runs
@@ -1799,7 +1801,7 @@ def test_replicated_blocks_are_split_between_their_holders_only_where_every_rank
 def test_a_writers_own_chunks_are_cut_where_the_file_is_aligned(base):
     # A rank's block of 1 MiB + 5 in messages of 64 KiB: cut at the file's 4 KiB boundaries
     # (the first message shorter), only the run's two ends share blocks with other runs.
-    from distributed_ext.export.messages import _rows, edge_segments
+    from distributed_ext.export.messages import _rows, edge_table
 
     shape, block = (3000, 1000), E.Block((262, 0), (263, 1000))
     piece = E.Piece(1, block, block.numel * 4)
@@ -1810,12 +1812,12 @@ def test_a_writers_own_chunks_are_cut_where_the_file_is_aligned(base):
     assert sum(r[3] for r in rows) == piece.nbytes and max(r[3] for r in rows) <= 64 * 2**10
     start = base + 262 * 4000
     assert [(base + r[1]) % 4096 for r in rows[1:]] == [0] * (len(rows) - 1)  # aligned cuts
-    edges = edge_segments(messages, bases, 4096)
+    edges = edge_table(messages, bases, 4096)[0]
     expected = [(-start) % 4096, (start + piece.nbytes) % 4096]
     assert [s[3] for s in edges] == [n for n in expected if n]
     # Cut every 64 KiB regardless of the file: a shared block at each cut too
     unaligned = E.plan_messages([(entry, piece)], 64 * 2**10)
-    more = edge_segments(unaligned, bases, 4096)
+    more = edge_table(unaligned, bases, 4096)[0]
     assert base % 4096 == 0 or len(more) > len(edges) + 10
 
 
@@ -2153,7 +2155,7 @@ def test_owners_planned_by_the_ranks_blocks_are_dealt_to_equal_one_plan_of_them_
     # every fragment at once (owners, and receipts row for row in their order), and each
     # rank plans only a part of them.
     from distributed_ext.export import edges, owners, transfer
-    from distributed_ext.export.messages import edge_segments
+    from distributed_ext.export.messages import edge_table
 
     shapes = {"rows": (3001, 700), "long_cols": (40, 60000), "tail": (777, 333)}
     entries, bases, base = [], [], 4000
@@ -2183,7 +2185,7 @@ def test_owners_planned_by_the_ranks_blocks_are_dealt_to_equal_one_plan_of_them_
     for r in range(world):
         mine = [(e, p) for e in entries for p in e.pieces
                 if p.rank == r and not transfer._short(e, p)]
-        own = edge_segments(E.plan_messages(mine, 2**20, bases), bases, 4096)
+        own = edge_table(E.plan_messages(mine, 2**20, bases), bases, 4096)[0]
         tables.append(edges.fragment_table(own))
     assert all(len(t) > 2 for t in tables)
     dests = owners.plan_owners(tables, file_of, bases, sizes, 0, 4096)

@@ -101,7 +101,7 @@ def plan_messages(items: Iterable[tuple[Entry, Piece]], chunk: int,
 
     ``bases`` (per entry index, the file offset of its data; for the pieces a rank writes
     itself): a one-run piece is cut where the file is aligned (``ALIGN``), its first message
-    shorter, so that no block is shared between two of its messages (:func:`edge_segments`).
+    shorter, so that no block is shared between two of its messages (:func:`edge_table`).
     """
     return _plan(items, chunk, None, bases)[0]
 
@@ -157,26 +157,13 @@ def _message_nbytes(message: list[Segment]) -> int:
     return sum(s[3] for s in message)
 
 
-def aligned_middle(offset: int, n: int, align: int) -> tuple[int, int]:
-    """The part ``[lo, hi)`` of a run of ``n`` bytes at file ``offset`` that covers whole
-    aligned blocks (``lo == hi`` where it covers none): the bytes before ``lo`` and from
-    ``hi`` on share their blocks with other runs."""
-    lo = min(n, -offset % align)
-    return lo, max(lo, n - (offset + n) % align)
-
-
 def aligned_middles(offset: torch.Tensor, n: torch.Tensor, align: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`aligned_middle` of many runs at once (int64 vectors)."""
+    """Per run of ``n`` bytes at file ``offset`` (int64 vectors), the part ``[lo, hi)`` of
+    it that covers whole aligned blocks (``lo == hi`` where it covers none): the bytes
+    before ``lo`` and from ``hi`` on share their blocks with other runs."""
     lo = torch.minimum(n, torch.remainder(-offset, align))
     return lo, torch.maximum(lo, n - torch.remainder(offset + n, align))
-
-
-def edge_segments(messages: list[list[Segment]], bases: torch.Tensor,
-                  align: int) -> list[Segment]:
-    """The edges of a writer's own runs (``writers="all"``, each rank its own): the bytes of
-    the blocks they share with other runs (:func:`edge_table`'s segments)."""
-    return edge_table(messages, bases, align)[0]
 
 
 def edge_table(messages: list[list[Segment]], bases: torch.Tensor, align: int
