@@ -1694,7 +1694,7 @@ def _both_writers_2d(base, short_run):
     state = {  # HSDP (replicas of each FSDP shard) and FSDP+TP, world 4
         "hsdp": distribute_tensor(torch.randn(512, 256, generator=g), mesh,
                                   [Replicate(), Shard(0)]),
-        "fsdp_tp": distribute_tensor(torch.randn(256, 1024, generator=g), mesh,
+        "fsdp_tp": distribute_tensor(torch.randn(1024, 1024, generator=g), mesh,
                                      [Shard(0), Shard(1)]),
         # 4 MiB HSDP shards, each split between its two holders to write (2 MiB each)
         "hsdp_big": distribute_tensor(torch.randn(4096, 512, generator=g), mesh,
@@ -1702,10 +1702,9 @@ def _both_writers_2d(base, short_run):
     }
     out = {}
     for writers in ("all", "dst"):
-        before = _written_bytes()
         writes = _recording_writes(lambda w=writers: dx.export_hf_checkpoint(
             state, os.path.join(base, w), writers=w))
-        out[writers] = _written_bytes() - before
+        out[writers] = sum(n for _f, _o, n in writes)  # (to the files, not the link)
         out[f"{writers} blocks"] = _blocks_written(writes)
     return out
 
@@ -1727,32 +1726,55 @@ def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(short_
     assert min(v["all"] for v in values) >= 2 * 2**20 - 8192, values
     for a, b in itertools.combinations(range(4), 2):  # every 4 KiB block: one writer
         assert not values[a]["all blocks"] & values[b]["all blocks"], (a, b)
-    # The FSDP+TP tensor, against the file's own header: rank r holds rows 128 * (r // 2)
+    # The FSDP+TP tensor, against the file's own header: rank r holds rows 512 * (r // 2)
     # on, columns 512 * (r % 2) on -- rows of 2 KiB runs, two ranks' in each 4 KiB of the
-    # file. Under SHORT_RUN (the default) dst writes every block of it; with 512, each
-    # block is written by the rank holding most of its bytes (ties: dst, then the lower
-    # rank): the rows ranks 2 and 3 hold, by one of them, not by dst.
+    # file. Under SHORT_RUN (the default) each 1 MiB region of the file (its whole blocks of
+    # the tensor) is written by the rank holding most of its bytes in whole rows, ties
+    # taken in turn by the region's index -- ranks 0 and 1 alternate over the first half's
+    # regions, 2 and 3 over the second's -- and dst writes the partial blocks at the
+    # tensor's ends; with 512,
+    # each block is written by the rank holding most of its bytes (ties: dst, then the
+    # lower rank).
     head_len = int.from_bytes(data[:8], "little")
-    lo, _hi = json.loads(data[8 : 8 + head_len])["fsdp_tp"]["data_offsets"]
-    base = 8 + head_len + lo
-    held: dict[int, dict[int, int]] = {}  # block -> {rank: bytes}
-    for row in range(256):
-        for half in range(2):
-            r = row // 128 * 2 + half
-            a = base + row * 4096 + half * 2048
-            for blk in {a // 4096, (a + 2047) // 4096}:
-                n = min(a + 2048, (blk + 1) * 4096) - max(a, blk * 4096)
-                held.setdefault(blk, {}).setdefault(r, 0)
-                held[blk][r] += n
-    inside = [b for b in held if base <= b * 4096 and (b + 1) * 4096 <= base + 256 * 4096]
+    lo, hi = json.loads(data[8 : 8 + head_len])["fsdp_tp"]["data_offsets"]
+    base, end = 8 + head_len + lo, 8 + head_len + hi
+
+    def held_in(x: int, y: int) -> dict[int, int]:
+        """Bytes each rank holds in the file's [x, y)."""
+        out: dict[int, int] = {}
+        for row in range(1024):
+            for half in range(2):
+                a = base + row * 4096 + half * 2048
+                n = min(a + 2048, y) - max(a, x)
+                if n > 0:
+                    r = row // 512 * 2 + half
+                    out[r] = out.get(r, 0) + n
+        return out
+
+    first, last = -(-base // 4096), end // 4096  # the tensor's whole blocks
     owners = set()
-    for blk in inside:
-        by_rank = held[blk]
-        owner = max(by_rank, key=lambda r: (by_rank[r], r == 0, -r)) if short_run else 0
+    for blk in range(first, last):
+        if short_run:
+            by_rank = held_in(blk * 4096, blk * 4096 + 4096)
+            owner = max(by_rank, key=lambda r: (by_rank[r], r == 0, -r))
+        else:
+            region = blk * 4096 // 2**20
+            by_rank = held_in(max(first * 4096, region * 2**20),
+                              min(last * 4096, region * 2**20 + 2**20))
+            # (counted in whole rows: within two 2 KiB runs of the most is a tie)
+            most = max(by_rank.values())
+            tied = sorted(r for r, n in by_rank.items() if n >= most - 2 * 2048)
+            owner = tied[region % len(tied)]
         writers = [r for r in range(4) if (E.WEIGHTS_NAME, blk) in values[r]["all blocks"]]
         assert writers == [owner], (blk, by_rank, writers)
         owners.add(owner)
-    assert len(inside) >= 250 and (2 in owners) == bool(short_run), (len(inside), owners)
+    for blk in {base // 4096, (end - 1) // 4096} - set(range(first, last)):
+        writers = [r for r in range(4) if (E.WEIGHTS_NAME, blk) in values[r]["all blocks"]]
+        assert writers == [0], (blk, writers)  # the ends' partial blocks: dst's
+    # Every rank writes a part of it (not dst alone, as it would assemble it with "dst");
+    # with 512, the lower rank of each pair (every block a tie).
+    assert last - first >= 1000, (base, last - first)
+    assert owners == ({0, 2} if short_run else {0, 1, 2, 3}), (base, owners)
 
 
 @pytest.mark.parametrize("spread", [False, True])

@@ -235,14 +235,18 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                     state, entries, ctx, dst_rank, chunk, local=mode == "all",
                     layout=joined_layout)
                 edges = parts["prepared"].edges
-                return (int(edges is not None and len(edges.rows) > 0),)
+                if edges is None:
+                    return (0, 0)
+                return (int(len(edges.rows) > 0), int(bool(edges.zones)))
 
-            # (Each rank's status fields say whether it has fragments of shared blocks.)
+            # (Each rank's status fields say whether it has fragments of shared blocks, and
+            # whether it writes, sends or receives TP rows' regions.)
             statuses = agreed("preparing the writers", join)
-            if any(s.fields[0] for s in statuses):
+            fragments = any(s.fields[0] for s in statuses)
+            if fragments or any(s.fields[1] for s in statuses):
                 agreed("preparing the shared blocks", lambda: _edges.prepare_round(
                     parts["prepared"].edges, parts["sink"], entries, state, ctx, dst_rank,
-                    pack_cap(chunk), what))
+                    pack_cap(chunk), what, resolve=fragments))
         sink, prepared = parts["sink"], parts["prepared"]
         assert prepared is not None
         try:

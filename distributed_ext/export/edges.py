@@ -55,9 +55,11 @@ class EdgePlan:
     dealt: torch.Tensor  # how many go to each rank
     dests: torch.Tensor | None = None  # the owner of each (resolve_owners)
     receipts: torch.Tensor | None = None  # what this rank receives (a receipt table)
-    # Made by prepare(): messages out per owner, row tables in per sender, own ones kept.
+    zones: Any = None  # the TP rows' regions it writes, sends, receives (.zones.ZonePlan)
+    # Made by prepare(): messages out per owner, in per sender (a row table of fragments
+    # or, zones, the sender's segments, as it cut them), own ones kept.
     outgoing: dict[int, list[list[Segment]]] = field(default_factory=dict)
-    incoming: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    incoming: dict[int, list[torch.Tensor | list[Segment]]] = field(default_factory=dict)
     kept: list[list[Segment]] = field(default_factory=list)
     send_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
     recv_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -201,12 +203,16 @@ def resolve_owners(plan: EdgePlan, ctx: _agree.GroupContext, dst_rank: int, layo
 
 def prepare_round(plan: EdgePlan, sink: Any, entries: list[Entry],
                   state: dict[str, torch.Tensor], ctx: _agree.GroupContext, dst_rank: int,
-                  cap: int, what: str) -> None:
+                  cap: int, what: str, resolve: bool = True) -> None:
     """The step of the preparing round for shared blocks, on every rank: the owners of
-    the blocks runs share (:func:`resolve_owners`), then the exchange's buffers
-    (:func:`prepare`)."""
-    nbytes = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
-    resolve_owners(plan, ctx, dst_rank, sink, nbytes, what)
+    the blocks runs share (:func:`resolve_owners`; ``resolve`` False, where no rank has
+    a fragment: none), then the exchange's buffers (:func:`prepare`)."""
+    if resolve:
+        nbytes = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
+        resolve_owners(plan, ctx, dst_rank, sink, nbytes, what)
+    else:
+        plan.dests = torch.empty(0, dtype=torch.int64)
+        plan.receipts = torch.empty((0, 4), dtype=torch.int64)
     prepare(plan, state, ctx.rank, ctx.device, cap)
 
 
@@ -215,7 +221,8 @@ def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch
     """Plans this rank's messages (out per owner, in per sender, its own kept) and
     allocates every buffer the exchange needs: one message per peer each way."""
     assert plan.dests is not None and plan.receipts is not None
-    if not plan.fragments and not len(plan.receipts):
+    zones = plan.zones
+    if not plan.fragments and not len(plan.receipts) and not zones:
         return  # (nothing to send or write: no exchange)
     by_dest: dict[int, list[Segment]] = {}
     for seg, to in zip(plan.fragments, plan.dests.tolist()):
@@ -236,6 +243,14 @@ def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch
             tables.append(torch.stack((mine[a:b, _owners.R_ENTRY], mine[a:b, _owners.R_OFFSET],
                                        at, n[a:b]), 1))
         plan.incoming[r] = tables
+    if zones:
+        # After the fragments, in each pair's list: both ends cut the same segments.
+        plan.kept += pack(zones.kept, cap)
+        for r, segs in zones.outgoing.items():
+            plan.outgoing.setdefault(r, []).extend(pack(segs, cap))
+        for r, segs in zones.incoming.items():
+            plan.incoming.setdefault(r, []).extend(pack(segs, cap))
+        plan.outgoing = dict(sorted(plan.outgoing.items()))
     for r, ms in plan.outgoing.items():
         plan.send_bufs[r] = torch.empty(max(map(_message_nbytes, ms)), dtype=torch.uint8,
                                         device=link)
@@ -251,9 +266,17 @@ def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch
     plan.stager = stager
 
 
-def _table_nbytes(rows: torch.Tensor) -> int:
-    """The bytes of the message a row table describes."""
+def _table_nbytes(rows: torch.Tensor | list[Segment]) -> int:
+    """The bytes of an incoming message (its row table, or its sender's segments)."""
+    if isinstance(rows, list):
+        return _message_nbytes(rows)
     return int(rows[:, ROW_NBYTES].sum())
+
+
+def _table(rows: torch.Tensor | list[Segment]) -> torch.Tensor:
+    """The row table of an incoming message (computed here for a zone's segments, from
+    the plan: where they go is never read from the wire)."""
+    return _rows(rows) if isinstance(rows, list) else rows
 
 
 def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> None:
@@ -317,7 +340,7 @@ def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> 
                 if not done:  # a peer failed: the transport may still use these buffers
                     _ABANDONED.append(plan)
             for buf, rows in landed:
-                write(buf, rows)
+                write(buf, _table(rows))
         if stager.failure is not None:
             failures.insert(0, stager.failure)
         if failures:

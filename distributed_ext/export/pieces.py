@@ -63,6 +63,10 @@ class Entry:
     pieces: list[Piece] = field(default_factory=list)  # shared between entries: never mutate
     index: int = 0  # its position in the plan (how sinks and row tables name it)
     source: str = ""  # the in-memory tensor its pieces read, where they do not name one
+    # writers="all": its runs are short and interleaved (a Shard(1)/TP layout, no replica),
+    # so each region of it is written by the holder of most of its bytes (:mod:`.zones`);
+    # every rank then knows every holder's piece of it
+    zoned: bool = False
     nbytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -250,19 +254,21 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
     if fixed is not None:
         # No replica (FSDP2): every key of the signature has the same senders, blocks,
         # runs and bytes per sender; computed at its first key, then only counted.
-        shared = got[3].get((itemsize, keep))
+        shared = got[3].get((itemsize, keep, spread))
         if shared is None:
             runs = [_piece_runs(wb, entry.shape, itemsize) for _s, wb in fixed]
+            # Every holder's piece is kept where a rank may receive or send to any of them.
+            zoned = spread and _zoned(runs)
             pieces = [Piece(sender, wb, wb.numel * itemsize, _runs=wb_runs)
                       for (sender, wb), wb_runs in zip(fixed, runs)
-                      if keep is None or sender == keep]
+                      if keep is None or sender == keep or zoned]
             sends = [(sender, wb.numel * itemsize) for sender, wb in fixed
                      if (spread or sender != dst_rank) and wb.numel]
-            shared = got[3][(itemsize, keep)] = (pieces, sends)
-        pieces, sends = shared
+            shared = got[3][(itemsize, keep, spread)] = (pieces, sends, zoned)
+        pieces, sends, zoned = shared
         load.add_each(sends)
         if share:
-            entry.pieces, entry.source = pieces, source
+            entry.pieces, entry.source, entry.zoned = pieces, source, zoned
         else:
             entry.pieces.extend(Piece(p.rank, p.block, p.nbytes, source, _runs=p._runs)
                                 for p in pieces)
@@ -279,6 +285,15 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
         if keep is None or sender == keep:
             entry.pieces.append(Piece(sender, wb, nbytes, source))
     return covered
+
+
+def _zoned(runs: list[Runs]) -> bool:
+    """Whether the blocks of a tensor (no replica) are rows of a ``Shard(1)``/TP layout:
+    more than one holder, each block many runs, each under ``SHORT_RUN`` -- interleaved
+    with the others' in the file (:mod:`.zones`)."""
+    from distributed_ext.export import owners  # (it imports .messages, which imports this)
+
+    return len(runs) > 1 and all(r.counts and r.run < owners.SHORT_RUN for r in runs)
 
 
 def _long_rows(wb: Block, shape: tuple[int, ...], itemsize: int) -> bool:

@@ -147,17 +147,22 @@ class FileSink:
         table): runs under ``SMALL_RUN`` bytes are assembled into their file's regions (a
         few tensor operations and one native copy per region, however many runs), larger
         ones each through :meth:`DirectFile.write` (direct where it can)."""
+        assert not self.joined, "a joined writer writes middles and edges only"
+        self._write_rows(data, rows)
+
+    def _write_rows(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+        """:meth:`write_batch` (also a joined writer's shared blocks: :meth:`write_edges`)."""
         if not len(rows):
             return
         idx = rows[:, ROW_ENTRY]
         offset = self._base_of[idx] + rows[:, ROW_OFFSET]
         fid = self._file_of[idx]
         at, n = rows[:, ROW_AT], rows[:, ROW_NBYTES]
-        assert not self.joined, "a joined writer writes middles and edges only"
         small = n < SMALL_RUN
         if not bool(small.all()):
             for i in (~small).nonzero().flatten().tolist():
                 file, a = self.files[int(fid[i])], int(at[i])
+                self._written.add(file)
                 with self._opened(file):
                     file.write(int(offset[i]), data[a : a + int(n[i])])
             offset, fid, at, n = offset[small], fid[small], at[small], n[small]
@@ -213,19 +218,12 @@ class FileSink:
                 file.write_segments(table if first == last else table[fid == number])
 
     def write_edges(self, data: torch.Tensor, rows: torch.Tensor) -> None:
-        """Writes fragments of the shared blocks this rank owns (rows of under a block
-        each): dst assembles them with its short runs (:meth:`write_batch`); a joined
-        writer writes them through the page cache, one native call per file."""
-        if not self.joined:
-            self.write_batch(data, rows)
-            return
-        if not len(rows):
-            return
-        idx = rows[:, ROW_ENTRY]
-        # data is held by the caller until this returns
-        table = torch.stack((rows[:, ROW_AT] + data.data_ptr(),
-                             self._base_of[idx] + rows[:, ROW_OFFSET], rows[:, ROW_NBYTES]), 1)
-        self._write_segments(self._file_of[idx], table)
+        """Writes the bytes of the blocks this rank owns that several runs share (rows of
+        under a block each) and of the TP rows' regions it owns (:mod:`.zones`: rows under
+        ``SHORT_RUN``), all short: assembled into their regions, each written whole (direct
+        where the filesystem takes it) once complete, else through the page cache at the
+        end -- a region that holds others' blocks too (:meth:`write_batch`)."""
+        self._write_rows(data, rows)
 
     @property
     def bases(self) -> torch.Tensor:
@@ -269,6 +267,7 @@ class FileSink:
         ends = counts.cumsum(0)
         totals = table[:, 2].cumsum(0)[ends - 1]
         totals[1:] -= totals[:-1].clone()
+        self._written.add(file)
         through_cache: list[torch.Tensor] = []
         complete: list[tuple[int, _Region]] = []
         with self._region_lock:
@@ -311,7 +310,7 @@ class FileSink:
         buf = self._spare.pop() if self._spare else _direct_io.aligned_empty(REGION_BYTES)
         start = index * REGION_BYTES
         region = _Region(buf, min(REGION_BYTES, file.size - start))
-        head = self.heads[file]
+        head = b"" if self.joined else self.heads[file]  # (dst's: it wrote the header)
         if start < len(head):  # the header's bytes (already in the file) complete it too
             part = head[start : start + REGION_BYTES]
             buf[: len(part)].copy_(torch.frombuffer(bytearray(part), dtype=torch.uint8))

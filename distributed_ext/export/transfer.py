@@ -17,6 +17,7 @@ import torch.distributed as dist
 from distributed_ext import _agree, _direct_io, _watch
 from distributed_ext.export import edges as _edges
 from distributed_ext.export import owners as _owners
+from distributed_ext.export import zones as _zones
 from distributed_ext.export.messages import (
     Segment,
     _message_nbytes,
@@ -27,6 +28,7 @@ from distributed_ext.export.messages import (
     plan_streams,
 )
 from distributed_ext.export.pieces import Entry
+from distributed_ext.export.sinks import REGION_BYTES
 from distributed_ext.export.stager import _needs_pinned, _PinnedSlots, _Stager
 
 EXPORT_CHUNK_BYTES = 16 * 2**20
@@ -117,6 +119,8 @@ def _sort_pieces(entries: list[Entry], me: int, to_dst: list[tuple[Entry, Any]],
     once: the walk is per entry, not per piece (at world 1024, 1000x fewer steps)."""
     kinds: dict[tuple, tuple[list, list]] = {}
     for e in entries:
+        if e.zoned:  # (:mod:`.zones`)
+            continue
         key = (id(e.pieces), e.shape, e.dtype.itemsize)
         kind = kinds.get(key)
         if kind is None:
@@ -171,7 +175,7 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             _sort_pieces(entries, me, to_dst, written)
         else:
             for e, p in pairs:
-                if p.rank == me:
+                if p.rank == me and not e.zoned:
                     (to_dst if _short(e, p) else written).append((e, p))
         assert layout is not None, "writers='all' needs the files' layout"
         # The pieces a rank writes itself never cross the link: cut in whole blocks (a
@@ -184,6 +188,9 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         local_messages = plan_messages(written, own_chunk, files.bases)
         fragments, rows = edge_table(local_messages, files.bases, _direct_io.ALIGN)
         edge_plan = _edges.plan_edges(fragments, files, world, rows)
+        # The rows of TP layouts: each region by the holder of most of its bytes.
+        edge_plan.zones = _zones.plan_zones(entries, files.bases, me, dst_rank,
+                                            _direct_io.ALIGN, REGION_BYTES)
         if me == dst_rank:  # each sender's stream: its short pieces
             streams = plan_streams(to_dst, chunk, world)
         else:
