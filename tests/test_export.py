@@ -1849,6 +1849,127 @@ def _fragments(*runs, base=100):
     return torch.tensor([(0, o - base, 0, n) for o, n in runs], dtype=torch.int64).reshape(-1, 4)
 
 
+def _tp_entries(shape, mesh, placements, world, spread=True):
+    """Every rank's plan of one fp32 tensor of ``shape`` (pieces, as ``writers='all'``
+    plans them), from the metadata alone."""
+    import array
+
+    from distributed_ext.export import entries as export_entries
+    from distributed_ext.export import pieces as export_pieces
+
+    sig = export_entries.Signature("float32", shape, placements, tuple(range(world)), mesh)
+    described = [export_entries.Described(["w"], array.array("i", [0]).tobytes(), [sig])]
+    holdings = export_pieces.merge_holdings(described * world, list(range(world)), 0, None)
+    return [export_pieces.plan_entries(holdings, None, 0, list(range(world)), keep=r,
+                                       spread=spread) for r in range(world)]
+
+
+def _rows_held(entry, piece):
+    """The file-independent byte intervals ``[a, b)`` of a 2-D block in its tensor, row by
+    row, from the block's own offset and shape (not from the planner's runs)."""
+    (r0, c0), (rows, cols) = piece.block.offset, piece.block.shape
+    width = entry.shape[1] * 4
+    return [((r0 + i) * width + c0 * 4, (r0 + i) * width + (c0 + cols) * 4)
+            for i in range(rows)]
+
+
+@pytest.mark.parametrize("base", [4096, 4096 * 3 + 300, 2**20 - 5000])
+@pytest.mark.parametrize("shape, mesh, placements", [
+    ((700, 1536), (3,), (("S", 1),)),  # TP 3: rows of 2 KiB, three ranks' in each 6 KiB
+    ((1024, 1024), (2, 2), (("S", 0), ("S", 1))),  # FSDP x TP
+    ((1200, 1000), (4,), (("S", 1),)),  # TP 4: rows of 1000 bytes, unaligned
+])
+def test_each_region_of_a_tp_tensor_is_written_once_by_the_holder_of_most_of_it(
+        shape, mesh, placements, base):
+    from distributed_ext.export import zones as export_zones
+
+    world = math.prod(mesh)
+    plans = _tp_entries(shape, mesh, placements, world)
+    assert all(entries[0].zoned for entries in plans)
+    bases = torch.tensor([base], dtype=torch.int64)
+    zones = [export_zones.plan_zones(entries, bases, r, 0, 4096, 2**20)
+             for r, entries in enumerate(plans)]
+
+    def ident(segs):
+        return [(p.rank, start, n) for _e, p, start, n in segs]
+
+    # Both ends of every pair list the same segments in the same order (so they cut the
+    # same messages); each rank sends only its own pieces' bytes.
+    for r, o in itertools.permutations(range(world), 2):
+        assert ident(zones[r].outgoing.get(o, [])) == ident(zones[o].incoming.get(r, [])), (r, o)
+        assert all(p.rank == r for _e, p, _s, _n in zones[r].outgoing.get(o, []))
+    # Every byte of every piece is written once: by whom, per 4 KiB block of the file.
+    entry = plans[0][0]
+    pieces = {p.rank: p for p in entry.pieces}
+    writer_of: dict[int, int] = {}
+    covered = {r: 0 for r in pieces}
+    for me, z in enumerate(zones):
+        for _e, p, start, n in z.kept + [s for segs in z.incoming.values() for s in segs]:
+            covered[p.rank] += n
+            pos = 0  # the piece's bytes [start, start + n), row by row, to file offsets
+            for a, b in _rows_held(entry, pieces[p.rank]):
+                lo, hi = max(a, a + start - pos), min(b, a + start + n - pos)
+                for blk in range((base + lo) // 4096, (base + hi - 1) // 4096 + 1) if lo < hi else ():
+                    assert writer_of.setdefault(blk, me) == me, (blk, writer_of[blk], me)
+                pos += b - a
+    assert covered == {r: p.nbytes for r, p in pieces.items()}, covered
+    # Who writes each block: dst the partial blocks at the tensor's ends; else the rank that
+    # holds most of the bytes of its 1 MiB region of the file (in whole rows: within two
+    # runs of the most is a tie, taken in turn by the region's index).
+    end = base + entry.nbytes
+    first, last = -(-base // 4096), end // 4096
+
+    def held_in(x, y):
+        out = {}
+        for r, p in pieces.items():
+            out[r] = sum(max(0, min(base + b, y) - max(base + a, x))
+                         for a, b in _rows_held(entry, p))
+        return out
+
+    run = max(p.block.shape[1] for p in pieces.values()) * 4
+    writers = set()
+    for blk, w in writer_of.items():
+        if not first <= blk < last:
+            assert w == 0, (blk, w)
+            continue
+        region = blk * 4096 // 2**20
+        by_rank = held_in(max(first * 4096, region * 2**20), min(last * 4096, (region + 1) * 2**20))
+        most = max(by_rank.values())
+        tied = sorted(r for r, n in by_rank.items() if n > 0 and n >= most - 2 * run)
+        assert w == tied[region % len(tied)], (blk, by_rank, w)
+        writers.add(w)
+    assert len(writers) == world, writers  # the writing spread over every holder
+
+
+def test_a_rank_plans_no_zone_it_neither_holds_nor_owns():
+    from distributed_ext.export import zones as export_zones
+
+    # FSDP x TP: ranks 0 and 1 hold the first half's rows, 2 and 3 the second's. Rank 1
+    # meets only the first half's zones; rank 3 sends nothing to 0 or 1 (no zone of theirs).
+    plans = _tp_entries((2048, 1024), (2, 2), (("S", 0), ("S", 1)), 4)
+    bases = torch.tensor([2**20], dtype=torch.int64)  # (the halves meet at a region's start)
+    z1 = export_zones.plan_zones(plans[1], bases, 1, 0, 4096, 2**20)
+    z3 = export_zones.plan_zones(plans[3], bases, 3, 0, 4096, 2**20)
+    assert set(z1.incoming) <= {0} and set(z1.outgoing) <= {0}, (z1.incoming, z1.outgoing)
+    assert set(z3.outgoing) <= {2} and set(z3.incoming) <= {2}, (z3.incoming, z3.outgoing)
+    assert z1.kept and z3.kept  # (each writes regions of its own half)
+    # Zoned: more than one holder, each block many runs under SHORT_RUN; not Shard(1) rows
+    # of 64 KiB (written where held), nor one holder's, nor Shard(0) blocks (one run each).
+    from distributed_ext.export import pieces as export_pieces
+
+    def runs(offset, block, shape):
+        return export_pieces._piece_runs(E.Block(offset, block), shape, 4)
+
+    tp = [runs((0, 0), (8, 512), (8, 1024)), runs((0, 512), (8, 512), (8, 1024))]
+    assert export_pieces._zoned(tp) and not export_pieces._zoned(tp[:1])
+    assert not export_pieces._zoned([runs((0, 0), (8, 2**14), (8, 2**15)),
+                                     runs((0, 2**14), (8, 2**14), (8, 2**15))])
+    assert not export_pieces._zoned([runs((0, 0), (4, 1024), (8, 1024)),
+                                     runs((4, 0), (4, 1024), (8, 1024))])
+    # Under "dst" (no spread) a TP tensor is not zoned: dst assembles its rows.
+    assert not _tp_entries((64, 1024), (2,), (("S", 1),), 2, spread=False)[1][0].zoned
+
+
 def test_a_shared_block_is_owned_by_the_holder_of_most_of_its_bytes():
     # One process, the planner alone: one file of 41960 bytes, a 100-byte header, then one
     # entry; 3 ranks' fragments of its shared blocks (file offsets).
@@ -2167,6 +2288,50 @@ def test_tp_rows_down_to_the_short_run_threshold_are_written_where_they_are_held
     got = _read_checkpoint(tmp_path / "all")
     for k, v in values[0][1].items():
         assert torch.equal(got[k], v), k
+
+
+def _tp_rows_by_region(out):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(6)
+    # 2 x 4 MiB of fp32 Shard(1) rows, each rank's part of a row 2 KiB
+    state = {f"w{i}": distribute_tensor(torch.randn(1024, 1024, generator=g), mesh,
+                                        [Shard(1)]) for i in range(2)}
+    got = {}
+    for writers in ("all", "dst"):
+        sent, real = [0], dist.isend
+
+        def counting(tensor, *args, sent=sent, real=real, **kwargs):
+            sent[0] += tensor.numel() * tensor.element_size()
+            return real(tensor, *args, **kwargs)
+
+        dist.isend = counting
+        try:
+            writes = _recording_writes(lambda w=writers: dx.export_hf_checkpoint(
+                state, os.path.join(out, w), writers=w))
+        finally:
+            dist.isend = real
+        got[writers] = (sum(n for _f, _o, n in writes), sent[0])
+    return got, {k: v.full_tensor() for k, v in state.items()}
+
+
+def test_tp_rows_are_written_by_region_each_rank_writing_and_sending_its_share(tmp_path):
+    # World 2, TP: every region is half each rank's, so the regions alternate between
+    # them: each writes about half of the file and sends about half of its own bytes (the
+    # other's regions), where with one writer rank 1 sends all of its bytes and writes none.
+    values = assert_all_ok(run_ranks(_tp_rows_by_region, 2, str(tmp_path), timeout=120))
+    data = (tmp_path / "all" / E.WEIGHTS_NAME).read_bytes()
+    assert data == (tmp_path / "dst" / E.WEIGHTS_NAME).read_bytes()
+    got = _read_checkpoint(tmp_path / "all")
+    for k, v in values[0][1].items():
+        assert torch.equal(got[k], v), k
+    mine = 8 * 2**20 // 2  # each rank's bytes
+    for r, (by, _full) in enumerate(values):
+        wrote, sent = by["all"]
+        assert 0.4 * len(data) < wrote < 0.6 * len(data), (r, by)
+        assert 0.4 * mine < sent < 0.6 * mine, (r, by)
+    assert values[1][0]["dst"][0] == 0 and values[1][0]["dst"][1] >= mine, values[1][0]
 
 
 @pytest.mark.parametrize("world", [3, 5])

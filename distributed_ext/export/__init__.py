@@ -15,6 +15,8 @@ One module per concern; the plan of pieces (:mod:`.pieces`) is the contract betw
 - :mod:`.writers`: who writes the files (dst, or every rank its own bytes).
 - :mod:`.owners` and :mod:`.edges`: with every rank writing, who writes each block that two
   ranks' runs share (the holder of most of its bytes), and how its bytes get there.
+- :mod:`.zones`: with every rank writing, who writes each region of a TP layout's short
+  rows (the holder of most of its bytes), planned alike at both ends from the plan.
 - :mod:`.api`: the rounds, and the public functions.
 """
 

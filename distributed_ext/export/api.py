@@ -308,10 +308,13 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     every rank reads it back. ``"dst"``: dst writes every byte (no shared filesystem needed).
     ``"auto"`` (default): ``"all"`` where every rank sees the directory (one host's local
     disk included), else ``"dst"``; ``"all"`` where some rank does not see it is a
-    ValueError on every rank naming those ranks. Pieces of short runs (under 64 KiB: small
-    tensors, ``Shard(1)`` rows) go to dst either way, which assembles them into whole
-    regions (measured faster, on one host, than each rank writing its own few blocks
-    between the others'). Same files, byte for byte, either way.
+    ValueError on every rank naming those ranks. The rows of a ``Shard(1)``/TP layout
+    (runs under 64 KiB, interleaved with the other TP ranks') are written by region: each
+    1 MiB region of such a tensor by the rank holding most of its bytes (TP ranks of equal
+    columns in turn), which assembles it whole -- its own rows and those the others send
+    it -- and writes it once; the partial blocks at the tensor's ends and other short runs
+    (small tensors, replicated TP shards) go to dst, which assembles them likewise. Same
+    files, byte for byte, either way.
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two

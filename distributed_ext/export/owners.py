@@ -7,7 +7,8 @@ a block, several short runs) is shared, and its bytes -- the *fragments* of
 by one rank. The owner of a shared block is the rank that holds most of its bytes (ties:
 dst, then the lowest rank), so that the fewest bytes move; a block that also holds bytes
 dst writes anyway -- the file's header, or short runs (under ``SHORT_RUN``: small tensors,
-``Shard(1)`` rows), which dst assembles into regions -- is dst's. The others send the
+the partial blocks at a TP tensor's ends; :mod:`.zones`), which dst assembles into regions
+-- is dst's. The others send the
 owner their fragments there.
 
 No rank sees every fragment: each knows its own. The blocks are dealt out to the ranks
@@ -27,8 +28,9 @@ import torch
 # ``ROW_ENTRY``, ``ROW_OFFSET``, ``ROW_AT`` (unused here), ``ROW_NBYTES``).
 from distributed_ext.export.messages import ROW_ENTRY, ROW_NBYTES, ROW_OFFSET
 
-# Runs shorter than this (small tensors, the rows of a ``Shard(1)``/TP layout) go to dst,
-# which assembles them into whole regions, rather than being written where they are held:
+# Runs shorter than this are not written where they are held: the rows of a
+# ``Shard(1)``/TP layout go to their region's owner (:mod:`.zones`), other short runs (small
+# tensors, replicated TP shards) to dst, which assemble them into whole regions:
 # below it, a rank's runs interleave with the others' in the file, so it writes a few
 # blocks per syscall, and most of its bytes become fragments, each a row to plan, send and
 # write on its own. Measured on the 2-core machine (/dev/shm, 512 MiB of fp32 Shard(1)

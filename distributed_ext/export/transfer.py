@@ -1,7 +1,8 @@
 """The data round: every buffer allocated up front, then each sender's messages streamed to
 dst while dst writes its own pieces; a sender and dst's receiver are separate paths that
-run on their own ranks. With every rank writing, each then writes its own long runs (the
-short ones still go to dst), and the blocks runs share go to their owners (:mod:`.edges`)."""
+run on their own ranks. With every rank writing, each then writes its own long runs (short
+ones go to dst, but a TP layout's rows: to their region's owner, :mod:`.zones`), and the
+blocks runs share go to their owners (:mod:`.edges`)."""
 
 from __future__ import annotations
 

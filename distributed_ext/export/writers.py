@@ -14,14 +14,16 @@ block also holds the header or short runs), to which the others send their few b
 two ranks (nor two clients of a network filesystem) ever write one page, and dst is not the
 sink of every rank's edges. Every rank fsyncs what it wrote; dst publishes once all have.
 
-Pieces of short runs (under :data:`~distributed_ext.export.owners.SHORT_RUN`, 64 KiB: small
-tensors, the rows of a ``Shard(1)``/TP layout) still go to dst, which assembles them into
-whole regions: every rank writing its own few blocks between the others' costs a syscall
-per run, and most of their bytes would be fragments, each a row to plan and send. Measured
-(2-core VM, /dev/shm, 512 MiB of fp32 ``Shard(1)`` rows, world 2), the rows written where
-held against dst assembling them: 2 KiB runs 1.3 s against 0.7 s (world 4, FSDP x TP),
-8 KiB 1.0 s against 0.57 s, 16 KiB 0.60 s against 0.40 s, 64 KiB 0.34 s against 0.34 s.
-The machinery takes a lower threshold (tested at 512 bytes).
+The rows of a ``Shard(1)``/TP layout (runs under
+:data:`~distributed_ext.export.owners.SHORT_RUN`, 64 KiB, interleaved with the other TP
+ranks' in the file) are written by region (:mod:`.zones`): each 1 MiB region of such a tensor
+by the rank holding most of its bytes (TP ranks of equal columns in turn), which assembles
+it from its own rows and those the others send it and writes it once, direct where it can;
+the partial blocks at the tensor's ends go to dst. Written where held instead, every rank
+would write its own few blocks between the others', a syscall per run, most bytes
+fragments to plan and send one by one (measured, 2-core VM, /dev/shm, 512 MiB of fp32
+``Shard(1)`` rows: 2 KiB runs 1.3 s against dst's 0.7 s). Other short runs (small tensors,
+replicated TP shards) still go to dst, which assembles them likewise.
 
 That needs a directory every rank sees as dst does: dst writes a probe file with a random
 token into the stage, every rank reads it back, and the answers are agreed. ``"all"`` on a
