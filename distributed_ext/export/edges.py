@@ -62,7 +62,7 @@ class EdgePlan:
     incoming: dict[int, list[torch.Tensor | list[Segment]]] = field(default_factory=dict)
     kept: list[list[Segment]] = field(default_factory=list)
     send_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
-    recv_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
+    recv_bufs: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # two per sender
     host: torch.Tensor | None = None  # NCCL: received or kept bytes on their way to a file
     stager: _Stager | None = None
 
@@ -255,9 +255,11 @@ def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch
         plan.send_bufs[r] = torch.empty(max(map(_message_nbytes, ms)), dtype=torch.uint8,
                                         device=link)
     for r, ts in plan.incoming.items():
-        plan.recv_bufs[r] = torch.empty(max(map(_table_nbytes, ts)), dtype=torch.uint8,
-                                        device=link)
-    biggest = max([len(b) for b in [*plan.send_bufs.values(), *plan.recv_bufs.values()]]
+        most = max(map(_table_nbytes, ts))
+        plan.recv_bufs[r] = [torch.empty(most, dtype=torch.uint8, device=link)
+                             for _ in range(min(2, len(ts)))]
+    biggest = max([len(b) for b in [*plan.send_bufs.values(),
+                                    *(bufs[0] for bufs in plan.recv_bufs.values())]]
                   + [_message_nbytes(m) for m in plan.kept] + [0])
     if link.type == "cuda" and biggest:
         plan.host = torch.empty(biggest, dtype=torch.uint8)
@@ -310,19 +312,23 @@ def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> 
             torch.cuda.set_device(ctx.device)
         rounds = max([len(v) for v in plan.outgoing.values()]
                      + [len(v) for v in plan.incoming.values()] + [len(plan.kept)])
+        landed: list[tuple[torch.Tensor, Any]] = []  # the last round's, still to write
         for k in range(rounds):
-            ops, landed = [], []
+            ops, arriving = [], []
             for r, ms in plan.outgoing.items():
                 if k < len(ms):
-                    data, _keep = stager.stage(ms[k], 0)
-                    buf = plan.send_bufs[r][: data.numel()]
-                    buf.copy_(data)
-                    ops.append((dist.isend, buf, ctx.ranks[r]))
+                    data, keep = stager.stage(ms[k], 0)
+                    if keep is None:  # (packed in the stager's slot, reused below: copied)
+                        buf = plan.send_bufs[r][: data.numel()]
+                        buf.copy_(data)
+                        data = buf
+                    ops.append((dist.isend, data, ctx.ranks[r]))
             for r, ts in plan.incoming.items():
                 if k < len(ts):
-                    buf = plan.recv_bufs[r][: _table_nbytes(ts[k])]
+                    bufs = plan.recv_bufs[r]
+                    buf = bufs[k % len(bufs)][: _table_nbytes(ts[k])]
                     ops.append((dist.irecv, buf, ctx.ranks[r]))
-                    landed.append((buf, ts[k]))
+                    arriving.append((buf, ts[k]))
             done = False
             try:
                 posted = _post(ops, ctx)
@@ -333,14 +339,19 @@ def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> 
                 if k < len(plan.kept):
                     data, _keep = stager.stage(plan.kept[k], 0)  # (sends were copied out)
                     write(data, _rows(plan.kept[k]))
+                # The last round's messages, written while this one's travel (into the
+                # other of each sender's two buffers).
+                for buf, rows in landed:
+                    write(buf, _table(rows))
                 for work in posted:
                     work.wait()
                 done = True
             finally:
                 if not done:  # a peer failed: the transport may still use these buffers
                     _ABANDONED.append(plan)
-            for buf, rows in landed:
-                write(buf, _table(rows))
+            landed = arriving
+        for buf, rows in landed:
+            write(buf, _table(rows))
         if stager.failure is not None:
             failures.insert(0, stager.failure)
         if failures:
