@@ -1699,6 +1699,9 @@ def _both_writers_2d(base, short_run):
         # 4 MiB HSDP shards, each split between its two holders to write (2 MiB each)
         "hsdp_big": distribute_tensor(torch.randn(4096, 512, generator=g), mesh,
                                       [Replicate(), Shard(0)]),
+        # HSDP x TP: replicated TP shards (columns 0-511 on ranks 0 and 2, the rest on 1, 3)
+        "hsdp_tp": distribute_tensor(torch.randn(1024, 1024, generator=g), mesh,
+                                     [Replicate(), Shard(1)]),
     }
     out = {}
     for writers in ("all", "dst"):
@@ -1775,6 +1778,14 @@ def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(short_
     # with 512, the lower rank of each pair (every block a tie).
     assert last - first >= 1000, (base, last - first)
     assert owners == ({0, 2} if short_run else {0, 1, 2, 3}), (base, owners)
+    # The HSDP x TP tensor's rows: each column block sent by one of its two holders, its
+    # regions written by those two senders (one of each pair, not by the replicas too).
+    lo, hi = json.loads(data[8 : 8 + head_len])["hsdp_tp"]["data_offsets"]
+    first, last = -(-(8 + head_len + lo) // 4096), (8 + head_len + hi) // 4096
+    wrote = {r for r in range(4) for blk in range(first, last)
+             if (E.WEIGHTS_NAME, blk) in values[r]["all blocks"]}
+    if not short_run:  # (with 512 the rows are long: each block a tie, dst's -- above)
+        assert len(wrote) == 2 and wrote & {0, 2} and wrote & {1, 3}, wrote
 
 
 @pytest.mark.parametrize("spread", [False, True])

@@ -63,9 +63,9 @@ class Entry:
     pieces: list[Piece] = field(default_factory=list)  # shared between entries: never mutate
     index: int = 0  # its position in the plan (how sinks and row tables name it)
     source: str = ""  # the in-memory tensor its pieces read, where they do not name one
-    # writers="all": its runs are short and interleaved (a Shard(1)/TP layout, no replica),
-    # so each region of it is written by the holder of most of its bytes (:mod:`.zones`);
-    # every rank then knows every holder's piece of it
+    # writers="all": its runs are short and interleaved (a Shard(1)/TP layout, replicated
+    # or not), so each region of it is written by the sender of most of its bytes
+    # (:mod:`.zones`); every rank then knows every sender's piece of it
     zoned: bool = False
     nbytes: int = field(init=False, repr=False)
 
@@ -269,20 +269,25 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
         load.add_each(sends)
         if share:
             entry.pieces, entry.source, entry.zoned = pieces, source, zoned
-        else:
+        else:  # (a part of a written tensor: never zoned)
             entry.pieces.extend(Piece(p.rank, p.block, p.nbytes, source, _runs=p._runs)
-                                for p in pieces)
+                                for p in pieces if keep is None or p.rank == keep)
         return covered
+    # Replicated TP rows (HSDP x TP): each block from one of its holders, as below, and the
+    # regions written by the sender of most of their bytes (every sender's piece kept).
+    zoned = spread and share and _zoned([_piece_runs(wb, entry.shape, itemsize)
+                                         for wb, _owners in groups_list])
+    entry.zoned = zoned
     for wb, owners in groups_list:
         nbytes = wb.numel * itemsize
         ways = min(len(owners), nbytes // SPREAD_MIN, wb.shape[0] if wb.shape else 1)
         if spread and ways > 1 and _long_rows(wb, entry.shape, itemsize):
             _add_spread(entry, source, wb, owners, ways, load, keep)
             continue
-        sender = _choose_sender(owners, dst_rank, load)
+        sender = _choose_sender(owners, dst_rank, load, zoned)
         if spread or sender != dst_rank:
             load.add(sender, nbytes)
-        if keep is None or sender == keep:
+        if keep is None or sender == keep or zoned:
             entry.pieces.append(Piece(sender, wb, nbytes, source))
     return covered
 
@@ -407,12 +412,15 @@ class _Load:
         return self._bytes
 
 
-def _choose_sender(owners: list[int], dst_rank: int, load: _Load) -> int:
+def _choose_sender(owners: list[int], dst_rank: int, load: _Load, spread: bool = False
+                   ) -> int:
     """Who sends a block: its one owner; dst if it holds a replica (it never crosses the
-    link); else the replica holder with the fewest bytes to send so far."""
+    link; but not for a zoned tensor's block, ``spread``: its regions' writers are its
+    senders, not dst); else the replica holder with the fewest bytes to send (or write)
+    so far."""
     if len(owners) == 1:
         return owners[0]
-    if dst_rank in owners:
+    if dst_rank in owners and not spread:
         return dst_rank
     bytes_sent = load.current()
     return min(owners, key=lambda r: (bytes_sent[r], r))
