@@ -309,12 +309,12 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     ``"auto"`` (default): ``"all"`` where every rank sees the directory (one host's local
     disk included), else ``"dst"``; ``"all"`` where some rank does not see it is a
     ValueError on every rank naming those ranks. The rows of a ``Shard(1)``/TP layout
-    (runs under 64 KiB, interleaved with the other TP ranks') are written by region: each
-    1 MiB region of such a tensor by the rank holding most of its bytes (TP ranks of equal
-    columns in turn), which assembles it whole -- its own rows and those the others send
-    it -- and writes it once; the partial blocks at the tensor's ends and other short runs
-    (small tensors, replicated TP shards) go to dst, which assembles them likewise. Same
-    files, byte for byte, either way.
+    (runs under 64 KiB, interleaved with the other TP ranks'; under HSDP each column block
+    sent by one of its holders) are written by region: each 1 MiB region of such a tensor
+    by the rank sending most of its bytes (TP ranks of equal columns in turn), which
+    assembles it whole -- its own rows and those the others send it -- and writes it once;
+    the partial blocks at the tensor's ends and other short runs (small tensors) go to dst,
+    which assembles them likewise. Same files, byte for byte, either way.
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two

@@ -29,8 +29,8 @@ import torch
 from distributed_ext.export.messages import ROW_ENTRY, ROW_NBYTES, ROW_OFFSET
 
 # Runs shorter than this are not written where they are held: the rows of a
-# ``Shard(1)``/TP layout go to their region's owner (:mod:`.zones`), other short runs (small
-# tensors, replicated TP shards) to dst, which assemble them into whole regions:
+# ``Shard(1)``/TP layout (replicated or not) go to their region's owner (:mod:`.zones`),
+# other short runs (small tensors) to dst, which assemble them into whole regions:
 # below it, a rank's runs interleave with the others' in the file, so it writes a few
 # blocks per syscall, and most of its bytes become fragments, each a row to plan, send and
 # write on its own. Measured on the 2-core machine (/dev/shm, 512 MiB of fp32 Shard(1)

@@ -303,8 +303,8 @@ def _zoned(runs: list[Runs]) -> bool:
 
 def _long_rows(wb: Block, shape: tuple[int, ...], itemsize: int) -> bool:
     """Whether a block's runs are long enough to be written where they are held (a row
-    range of a column block, e.g. of a replicated TP shard, would go to dst as short runs:
-    split, it would cross the link instead of being dst's own copy)."""
+    range of a column block, e.g. of a replicated TP shard, would be short runs: those are
+    written by region instead, :mod:`.zones`)."""
     from distributed_ext.export import owners  # (it imports .messages, which imports this)
 
     return _piece_runs(wb, shape, itemsize).run >= owners.SHORT_RUN

@@ -22,8 +22,9 @@ it from its own rows and those the others send it and writes it once, direct whe
 the partial blocks at the tensor's ends go to dst. Written where held instead, every rank
 would write its own few blocks between the others', a syscall per run, most bytes
 fragments to plan and send one by one (measured, 2-core VM, /dev/shm, 512 MiB of fp32
-``Shard(1)`` rows: 2 KiB runs 1.3 s against dst's 0.7 s). Other short runs (small tensors,
-replicated TP shards) still go to dst, which assembles them likewise.
+``Shard(1)`` rows: 2 KiB runs 1.3 s against dst's 0.7 s). Replicated TP rows (HSDP x TP) likewise, each
+column block from one of its holders. Other short runs (small tensors) still go to dst,
+which assembles them likewise.
 
 That needs a directory every rank sees as dst does: dst writes a probe file with a random
 token into the stage, every rank reads it back, and the answers are agreed. ``"all"`` on a
