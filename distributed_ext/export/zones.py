@@ -21,10 +21,12 @@ list the same segments in the same order, so both cut them into the same message
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
+from distributed_ext.export.blocks import Runs
 from distributed_ext.export.messages import Segment
 from distributed_ext.export.pieces import Entry, Piece
 
@@ -59,22 +61,32 @@ def zone_bounds(base: int, nbytes: int, align: int, region: int) -> tuple[list[i
     return cuts, a, z
 
 
-def piece_positions(piece: Piece, entry: Entry, offsets: torch.Tensor) -> torch.Tensor:
-    """For each offset of the tensor (int64), how many of the piece's bytes lie before it:
-    a piece's runs rise through the tensor, so the bytes it has in ``[x, y)`` are one range
-    of its own, from the position of ``x`` to that of ``y``."""
+def piece_position(piece: Piece, entry: Entry, offset: int) -> int:
+    """How many of the piece's bytes lie before ``offset`` of the tensor: a piece's runs
+    rise through the tensor, so the bytes it has in ``[x, y)`` are one range of its own,
+    from the position of ``x`` to that of ``y``. Integer arithmetic (a TP block's runs are
+    one stride apart); runs nested deeper are searched in their table."""
     runs = piece.runs(entry)
     if not runs.counts:
-        return (offsets - runs.base).clamp(0, piece.nbytes)
+        return min(max(offset - runs.base, 0), piece.nbytes)
     if len(runs.counts) == 1:
         (count,), (stride,) = runs.counts, runs.strides
-        i = torch.div(offsets - runs.base, stride, rounding_mode="floor").clamp(-1, count - 1)
-        within = (offsets - runs.base - i * stride).clamp(0, runs.run)
-        return torch.where(i < 0, 0, i * runs.run + within)
-    starts = runs.table(0, piece.nbytes)[:, 0]
-    k = torch.searchsorted(starts, offsets, right=True)  # runs starting at or before
-    last = (k - 1).clamp(min=0)
-    return torch.where(k == 0, 0, last * runs.run + (offsets - starts[last]).clamp(0, runs.run))
+        i = (offset - runs.base) // stride
+        if i < 0:
+            return 0
+        i = min(i, count - 1)
+        return i * runs.run + min(max(offset - runs.base - i * stride, 0), runs.run)
+    starts = _run_starts(runs, piece.nbytes)
+    k = int(torch.searchsorted(starts, torch.tensor([offset]), right=True))
+    if k == 0:
+        return 0
+    return (k - 1) * runs.run + min(max(offset - int(starts[k - 1]), 0), runs.run)
+
+
+@functools.lru_cache(maxsize=64)
+def _run_starts(runs: Runs, nbytes: int) -> torch.Tensor:
+    """Where each run of a block nested deeper than one stride starts (int64)."""
+    return runs.table(0, nbytes)[:, 0].contiguous()
 
 
 def _span(piece: Piece, entry: Entry) -> tuple[int, int]:
@@ -88,13 +100,20 @@ def _span(piece: Piece, entry: Entry) -> tuple[int, int]:
 def plan_zones(entries: list[Entry], bases: torch.Tensor, me: int, dst_rank: int,
                align: int, region: int) -> ZonePlan:
     """This rank's :class:`ZonePlan` over the zoned entries (``bases``: per entry index, the
-    file offset of its data). Work: per zoned entry this rank holds a piece of, the pieces
-    that meet the zones its own touch (a TP group's), a few tensor operations each."""
+    file offset of its data). Work: per zoned entry this rank holds a piece of (dst: every
+    zoned entry's two ends too), the pieces that meet each zone its own touch (a TP
+    group's, found by bisection), a few integer operations each."""
     plan = ZonePlan()
+    # Per list of pieces (every key of a signature shares one): its pieces by span, once.
+    layouts: dict[tuple, _Layout] = {}
     for e in entries:
         if not e.zoned:
             continue
-        mine = [p for p in e.pieces if p.rank == me and p.nbytes]
+        key = (id(e.pieces), e.shape, e.dtype.itemsize)
+        layout = layouts.get(key)
+        if layout is None:
+            layout = layouts[key] = _Layout(e, me)
+        mine = layout.mine
         if not mine and me != dst_rank:
             continue
         base = int(bases[e.index])
@@ -103,29 +122,22 @@ def plan_zones(entries: list[Entry], bases: torch.Tensor, me: int, dst_rank: int
         # which it owns (holding bytes there or not).
         zones: set[int] = set()
         if mine:
-            lo = min(_span(p, e)[0] for p in mine)
-            hi = max(_span(p, e)[1] for p in mine)
+            lo, hi = layout.mine_span
             zones.update(range(bisect.bisect_right(cuts, lo) - 1, bisect.bisect_left(cuts, hi)))
         if me == dst_rank:
             zones.update((0, len(cuts) - 2))
-        order = sorted(zones)
-        lo, hi = cuts[order[0]], cuts[order[-1] + 1]
-        peers = [p for p in e.pieces if p.nbytes and _meets(_span(p, e), lo, hi)]
-        # Per peer, its position at each zone's two ends: (peers, zones, 2).
-        at = torch.tensor([(cuts[j], cuts[j + 1]) for j in order], dtype=torch.int64)
-        held = torch.stack([piece_positions(p, e, at) for p in peers])
-        starts, counts = held[..., 0].tolist(), (held[..., 1] - held[..., 0]).tolist()
-        ranks = [p.rank for p in peers]
-        slack = 2 * max(p.runs(e).run for p in peers)
-        for j, k in enumerate(order):
+        for k in sorted(zones):
             x, y = cuts[k], cuts[k + 1]
-            owner = _owner([c[j] for c in counts], ranks, x >= a and y <= z and a < z,
+            peers = layout.meeting(x, y)
+            held = [(piece_position(p, e, x), piece_position(p, e, y)) for p in peers]
+            counts = [b - a for a, b in held]
+            slack = 2 * max(p.runs(e).run for p in peers)
+            owner = _owner(counts, [p.rank for p in peers], x >= a and y <= z and a < z,
                            (base + x) // region, dst_rank, slack)
-            for i, p in enumerate(peers):
-                n = counts[i][j]
+            for p, (start, _end), n in zip(peers, held, counts):
                 if not n:
                     continue
-                seg = (e, p, starts[i][j], n)
+                seg = (e, p, start, n)
                 if p.rank == me:
                     if owner == me:
                         plan.kept.append(seg)
@@ -136,8 +148,28 @@ def plan_zones(entries: list[Entry], bases: torch.Tensor, me: int, dst_rank: int
     return plan
 
 
-def _meets(span: tuple[int, int], lo: int, hi: int) -> bool:
-    return span[0] < hi and lo < span[1]
+class _Layout:
+    """A zoned list of pieces (shared by every key of a signature) by where they lie: the
+    non-empty ones sorted by their first byte, so that the pieces meeting a range are found
+    by bisection, not by a pass over every holder (1024 of them at world 1024)."""
+
+    def __init__(self, entry: Entry, me: int) -> None:
+        pieces = sorted((p for p in entry.pieces if p.nbytes),
+                        key=lambda p: _span(p, entry)[0])
+        self.pieces = pieces
+        spans = [_span(p, entry) for p in pieces]
+        self.starts = [a for a, _b in spans]
+        self.ends = [b for _a, b in spans]
+        self.longest = max((b - a for a, b in spans), default=0)
+        self.mine = [p for p in pieces if p.rank == me]
+        mine = [sp for sp, p in zip(spans, pieces) if p.rank == me]
+        self.mine_span = (min(a for a, _b in mine), max(b for _a, b in mine)) if mine else (0, 0)
+
+    def meeting(self, lo: int, hi: int) -> list[Piece]:
+        """The pieces with bytes between ``lo`` and ``hi`` (their spans meet it)."""
+        first = bisect.bisect_right(self.starts, lo - self.longest)
+        last = bisect.bisect_left(self.starts, hi)
+        return [self.pieces[i] for i in range(first, last) if self.ends[i] > lo]
 
 
 def _owner(nbytes: list[int], ranks: list[int], whole: bool, index: int, dst_rank: int,
