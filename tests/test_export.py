@@ -587,6 +587,41 @@ def test_dst_memory_stays_a_few_chunks_whatever_the_model_size(tmp_path):
     assert os.path.getsize(tmp_path / "big" / E.WEIGHTS_NAME) > 3 * size - 2**20
 
 
+def _peak_during_tp_export(out):
+    import threading
+
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # 8 x 32 MiB of fp32 Shard(1) rows (each rank's part of a row 2 KiB): 128 MiB a rank
+    state = {f"w{i}": distribute_tensor(torch.full((8192, 1024), float(i)), mesh, [Shard(1)])
+             for i in range(8)}
+    peak, stop = [read_rss()], threading.Event()
+
+    def sample():
+        while not stop.wait(0.005):
+            peak.append(read_rss())
+
+    before = read_rss()
+    t = threading.Thread(target=sample)
+    t.start()
+    dx.export_hf_checkpoint(state, out, writers="all")
+    stop.set()
+    t.join()
+    return max(peak) - before
+
+
+def test_tp_regions_hold_a_few_regions_on_every_rank(tmp_path):
+    # Every rank assembles the regions it owns as their rows arrive, in file order: it
+    # holds a few 1 MiB regions and one message per peer each way, never its 128 MiB share
+    # of the file (bounded at 64 MiB of regions whatever the order).
+    out = tmp_path / "tp"
+    values = assert_all_ok(run_ranks(_peak_during_tp_export, 2, str(out), timeout=120))
+    assert max(values) < 48 * 2**20, [v / 2**20 for v in values]
+    got = _read_checkpoint(out)
+    assert all(torch.equal(got[f"w{i}"], torch.full((8192, 1024), float(i))) for i in range(8))
+
+
 def _sender_fails_mid_stream(out):
     r = dist.get_rank()
     if r == 1:
