@@ -547,20 +547,11 @@ def test_max_shard_size_and_chunk_are_checked():
     assert E.parse_shard_size("5GB") == 5 * 10**9 and E.parse_shard_size("500MiB") == 500 * 2**20
 
 
-def _peak_during_export(out, nbytes):
+def _rss_growth_during(fn):
+    """The peak growth of this process's RSS while ``fn()`` runs (sampled every 5 ms)."""
     import threading
 
-    r = dist.get_rank()
-    state = {f"layer{i}.{r}": torch.full((nbytes // 4 // 8,), float(i)) for i in range(8)}
     peak, stop = [read_rss()], threading.Event()
-    written = []
-    real_commit = E.FileSink.commit
-
-    def commit(self):
-        written.append((self.direct_bytes, self.total, self.files[0].direct_capable))
-        real_commit(self)
-
-    E.FileSink.commit = commit
 
     def sample():
         while not stop.wait(0.005):
@@ -569,10 +560,27 @@ def _peak_during_export(out, nbytes):
     before = read_rss()
     t = threading.Thread(target=sample)
     t.start()
-    dx.export_hf_checkpoint(state, out, writers="dst")
-    stop.set()
-    t.join()
-    return max(peak) - before, written
+    try:
+        fn()
+    finally:
+        stop.set()
+        t.join()
+    return max(peak) - before
+
+
+def _peak_during_export(out, nbytes):
+    r = dist.get_rank()
+    state = {f"layer{i}.{r}": torch.full((nbytes // 4 // 8,), float(i)) for i in range(8)}
+    written = []
+    real_commit = E.FileSink.commit
+
+    def commit(self):
+        written.append((self.direct_bytes, self.total, self.files[0].direct_capable))
+        real_commit(self)
+
+    E.FileSink.commit = commit
+    grown = _rss_growth_during(lambda: dx.export_hf_checkpoint(state, out, writers="dst"))
+    return grown, written
 
 
 def test_dst_memory_stays_a_few_chunks_whatever_the_model_size(tmp_path):
@@ -588,27 +596,13 @@ def test_dst_memory_stays_a_few_chunks_whatever_the_model_size(tmp_path):
 
 
 def _peak_during_tp_export(out):
-    import threading
-
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     # 8 x 32 MiB of fp32 Shard(1) rows (each rank's part of a row 2 KiB): 128 MiB a rank
     state = {f"w{i}": distribute_tensor(torch.full((8192, 1024), float(i)), mesh, [Shard(1)])
              for i in range(8)}
-    peak, stop = [read_rss()], threading.Event()
-
-    def sample():
-        while not stop.wait(0.005):
-            peak.append(read_rss())
-
-    before = read_rss()
-    t = threading.Thread(target=sample)
-    t.start()
-    dx.export_hf_checkpoint(state, out, writers="all")
-    stop.set()
-    t.join()
-    return max(peak) - before
+    return _rss_growth_during(lambda: dx.export_hf_checkpoint(state, out, writers="all"))
 
 
 def test_tp_regions_hold_a_few_regions_on_every_rank(tmp_path):
