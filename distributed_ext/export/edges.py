@@ -40,6 +40,7 @@ from distributed_ext.export.messages import (
 )
 from distributed_ext.export.pieces import Entry
 from distributed_ext.export.stager import _Stager
+from distributed_ext.export.zones import ZonePlan
 
 # Plans whose buffers a transport may still use after a peer failed: never freed.
 _ABANDONED: list[Any] = []
@@ -55,7 +56,7 @@ class EdgePlan:
     dealt: torch.Tensor  # how many go to each rank
     dests: torch.Tensor | None = None  # the owner of each (resolve_owners)
     receipts: torch.Tensor | None = None  # what this rank receives (a receipt table)
-    zones: Any = None  # the TP rows' regions it writes, sends, receives (.zones.ZonePlan)
+    zones: ZonePlan | None = None  # the TP rows' regions it writes, sends, receives
     # Made by prepare(): messages out per owner, in per sender (a row table of fragments
     # or, zones, the sender's segments, as it cut them), own ones kept.
     outgoing: dict[int, list[list[Segment]]] = field(default_factory=dict)
