@@ -1790,13 +1790,9 @@ def test_hsdp_and_fsdp_tp_with_every_rank_writing_match_the_single_writer(short_
             by_rank = held_in(blk * 4096, blk * 4096 + 4096)
             owner = max(by_rank, key=lambda r: (by_rank[r], r == 0, -r))
         else:
-            region = blk * 4096 // 2**20
-            by_rank = held_in(max(first * 4096, region * 2**20),
-                              min(last * 4096, region * 2**20 + 2**20))
-            # (counted in whole rows: within two 2 KiB runs of the most is a tie)
-            most = max(by_rank.values())
-            tied = sorted(r for r, n in by_rank.items() if n >= most - 2 * 2048)
-            owner = tied[region % len(tied)]
+            # (the DP groups' rows: the second's from the tensor's row 512 on)
+            owner, by_rank = _zone_writer(blk, first, last, [base + 512 * 4096], held_in,
+                                          2048)
         writers = [r for r in range(4) if (E.WEIGHTS_NAME, blk) in values[r]["all blocks"]]
         assert writers == [owner], (blk, by_rank, writers)
         owners.add(owner)
@@ -1889,6 +1885,22 @@ def _fragments(*runs, base=100):
     return torch.tensor([(0, o - base, 0, n) for o, n in runs], dtype=torch.int64).reshape(-1, 4)
 
 
+def _zone_writer(blk, first, last, groups, held_in, run):
+    """Who writes block ``blk`` of a TP tensor whose whole blocks are ``[first, last)``: its
+    zone is cut at 1 MiB regions of the file and at the block holding each file offset of
+    ``groups`` (where a DP group's rows begin); the rank holding most of the zone's bytes
+    (``held_in(x, y)``: per rank), counted in whole rows -- within two runs of the most is a
+    tie -- ties taken in turn by the region's index. Also returns the bytes per rank."""
+    cuts = {first * 4096, last * 4096} | {g // 4096 * 4096 for g in groups}
+    cuts |= set(range(-(-first * 4096 // 2**20) * 2**20, last * 4096, 2**20))
+    x = max(c for c in cuts if c <= blk * 4096)
+    y = min(c for c in cuts if c > blk * 4096)
+    by_rank = held_in(x, y)
+    most = max(by_rank.values())
+    tied = sorted(r for r, n in by_rank.items() if n > 0 and n >= most - 2 * run)
+    return tied[x // 2**20 % len(tied)], by_rank
+
+
 def _tp_entries(shape, mesh, placements, world, spread=True, keep=None, n=1,
                 dtype="float32"):
     """Every rank's plan (``keep``: that rank's) of ``n`` tensors of ``shape`` (pieces, as
@@ -1976,11 +1988,9 @@ def test_each_region_of_a_tp_tensor_is_written_once_by_the_holder_of_most_of_it(
         if not first <= blk < last:
             assert w == 0, (blk, w)
             continue
-        region = blk * 4096 // 2**20
-        by_rank = held_in(max(first * 4096, region * 2**20), min(last * 4096, (region + 1) * 2**20))
-        most = max(by_rank.values())
-        tied = sorted(r for r, n in by_rank.items() if n > 0 and n >= most - 2 * run)
-        assert w == tied[region % len(tied)], (blk, by_rank, w)
+        groups = {base + p.block.offset[0] * entry.shape[1] * 4 for p in pieces.values()}
+        owner, by_rank = _zone_writer(blk, first, last, groups, held_in, run)
+        assert w == owner, (blk, by_rank, w)
         writers.add(w)
     assert len(writers) == world, writers  # the writing spread over every holder
 
@@ -2004,11 +2014,13 @@ def test_one_rank_plans_its_zones_at_a_simulated_world_of_1024():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     mine = zones[me]
-    # Rank 5 holds 32 rows x 1 KiB of each tensor, in the zone the first 4 DP groups (ranks
-    # 0-31) share: it sends them to that zone's writer, one of those 32, every time.
+    # Rank 5 holds 32 rows x 1 KiB of each tensor, in the zone of the first DP group's rows
+    # (its TP group: ranks 0-7): it sends them to that zone's writer, one of those 8, but
+    # for the block the next DP group's zone begins with (under 4 KiB a tensor).
     assert sum(s[3] for segs in mine.outgoing.values() for s in segs) + sum(
         s[3] for s in mine.kept) == n * 32 * 1024
-    assert set(mine.outgoing) <= set(range(32)) and not mine.incoming, mine.outgoing.keys()
+    beyond = sum(s[3] for o, segs in mine.outgoing.items() if o >= 8 for s in segs)
+    assert beyond < n * 4096 and not mine.incoming, (beyond, mine.outgoing.keys())
     for o, segs in mine.outgoing.items():  # what the writer (here dst) lists alike
         if o == 0:
             assert [(s[1].rank, s[2], s[3]) for s in zones[0].incoming[me]] == \

@@ -327,6 +327,14 @@ class FileSink:
         """Writes what a region holds through the page cache (it will not be written direct)."""
         ranges = torch.cat(region.ranges)
         within, n = ranges[:, 1], ranges[:, 2]
+        # Adjacent ranges written as one (a TP zone's rows: one write, not one per row).
+        order = torch.argsort(within)
+        within, n = within[order], n[order]
+        new = torch.ones(len(within), dtype=torch.bool)
+        new[1:] = within[1:] != within[:-1] + n[:-1]
+        group = torch.cumsum(new, 0) - 1
+        within = within[new]
+        n = torch.zeros(len(within), dtype=torch.int64).index_add_(0, group, n)
         table = torch.stack((within + region.buf.data_ptr(), within + index * REGION_BYTES, n), 1)
         with self._opened(file):
             file.write_segments(table)

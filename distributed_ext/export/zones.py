@@ -45,19 +45,23 @@ class ZonePlan:
         return bool(self.kept or self.outgoing or self.incoming)
 
 
-def zone_bounds(base: int, nbytes: int, align: int, region: int) -> tuple[list[int], int, int]:
+def zone_bounds(base: int, nbytes: int, align: int, region: int,
+                groups: tuple[int, ...] = ()) -> tuple[list[int], int, int]:
     """The zones of a tensor of ``nbytes`` whose data starts at file offset ``base``: their
     bounds (offsets in the tensor, from 0 to ``nbytes``), and ``[a, z)``, the part covering
-    whole aligned blocks (cut at every ``region`` boundary of the file); the bytes before
-    ``a`` and from ``z`` on (partial blocks) form a zone each, as does the whole tensor
-    where it covers no whole block."""
+    whole aligned blocks, cut at every ``region`` boundary of the file and at the block
+    holding each offset of ``groups`` (where another group of holders begins: an FSDP x TP
+    tensor's DP groups, so that a zone's bytes cross only within one TP group); the bytes
+    before ``a`` and from ``z`` on (partial blocks) form a zone each, as does the whole
+    tensor where it covers no whole block."""
     a = -base % align
     z = (base + nbytes) // align * align - base
     if a >= z:
         return [0, nbytes], 0, 0
     first = (base + a) // region + 1
-    inner = list(range(first * region - base, z, region))
-    cuts = ([0] if a > 0 else []) + [a, *inner, z] + ([nbytes] if z < nbytes else [])
+    inner = set(range(first * region - base, z, region))
+    inner.update(c for c in ((base + g) // align * align - base for g in groups) if a < c < z)
+    cuts = ([0] if a > 0 else []) + [a, *sorted(inner), z] + ([nbytes] if z < nbytes else [])
     return cuts, a, z
 
 
@@ -117,7 +121,7 @@ def plan_zones(entries: list[Entry], bases: torch.Tensor, me: int, dst_rank: int
         if not mine and me != dst_rank:
             continue
         base = int(bases[e.index])
-        cuts, a, z = zone_bounds(base, e.nbytes, align, region)
+        cuts, a, z = zone_bounds(base, e.nbytes, align, region, layout.groups)
         # The zones this rank's pieces touch; dst's also the partial blocks at the ends,
         # which it owns (holding bytes there or not).
         zones: set[int] = set()
@@ -162,6 +166,9 @@ class _Layout:
         self.ends = [b for _a, b in spans]
         self.longest = max((b - a for a, b in spans), default=0)
         self.mine = [p for p in pieces if p.rank == me]
+        # Where a group of holders begins: the first row of each distinct row range.
+        row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
+        self.groups = tuple(sorted({p.block.offset[0] * row for p in pieces} - {0}))
         mine = [sp for sp, p in zip(spans, pieces) if p.rank == me]
         self.mine_span = (min(a for a, _b in mine), max(b for _a, b in mine)) if mine else (0, 0)
 
