@@ -4,7 +4,8 @@ its bytes (``writers="all"``): pure planning.
 A TP block's rows are short runs, interleaved in the file with the other TP ranks' rows:
 written where they are held, every rank would write a few bytes between the others' (a
 syscall per run, every block shared). Instead each region of such a tensor -- its whole
-aligned blocks, cut where the file's ``region``-byte regions (1 MiB) begin -- is a *zone*,
+aligned blocks, cut where the file's ``region``-byte regions (1 MiB) begin and where a DP
+group's rows begin (FSDP x TP: its bytes then cross only within one TP group) -- is a *zone*,
 assembled and written whole by one rank: the holder of most of its bytes (ties spread over
 the tied holders in turn, by the region's index, so that TP ranks holding equal columns
 share the writing), to which the others send their rows there. The tensor's partial
