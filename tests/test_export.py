@@ -17,6 +17,7 @@ from harness import assert_all_ok, read_rss, run_ranks
 import distributed_ext as dx
 from distributed_ext import export as E
 from distributed_ext.export import api as export_api
+from distributed_ext.export import holdings as export_holdings
 from distributed_ext.export import sinks as export_sinks
 from distributed_ext.export import stager as export_stager
 
@@ -1639,7 +1640,7 @@ def test_one_rank_plans_only_what_concerns_it_at_a_simulated_world_of_1024():
     ids = (array.array("i", [0]) * n).tobytes()
     described = [export_entries.Described(keys, ids, [sig])] * world
     tracemalloc.start()
-    holdings = export_pieces.merge_holdings(described, list(range(world)), 0, None)
+    holdings = export_holdings.merge_holdings(described, list(range(world)), 0, None)
     # (as planned by default: every rank writing its own bytes)
     entries = export_pieces.plan_entries(holdings, None, 0, list(range(world)), keep=me,
                                          spread=True)
@@ -1692,7 +1693,7 @@ def test_one_rank_deals_its_shared_blocks_at_a_simulated_world_of_1024():
         sizes = [8 + 120 * 36 + 36 * nbytes] * (n // 36) + [8 + 120 * 36 + n % 36 * nbytes]
 
     tracemalloc.start()
-    holdings = export_pieces.merge_holdings(described, list(range(world)), 0, None)
+    holdings = export_holdings.merge_holdings(described, list(range(world)), 0, None)
     entries = export_pieces.plan_entries(holdings, None, 0, list(range(world)), keep=me,
                                          spread=True)
     written = [(e, p) for e in entries for p in e.pieces if not transfer._short(e, p)]
@@ -1825,13 +1826,13 @@ def test_replicated_blocks_are_split_between_their_holders_only_where_every_rank
     column = E.Block((0, 0), (4096, 256))
     small = E.Block((0, 0), (1024, 256))
     holdings = {
-        "dense": export_pieces.Holding(
+        "dense": export_holdings.Holding(
             "dense", export_entries.Signature("float32", (4096, 256)),
             [(r, whole) for r in range(3)]),
-        "tp": export_pieces.Holding(
+        "tp": export_holdings.Holding(
             "tp", export_entries.Signature("float32", (4096, 512)),
             [(0, column), (1, column), (2, E.Block((0, 256), (4096, 256)))]),
-        "small": export_pieces.Holding(
+        "small": export_holdings.Holding(
             "small", export_entries.Signature("float32", (1024, 256)),
             [(1, small), (2, small)]),
     }
@@ -1913,7 +1914,7 @@ def _tp_entries(shape, mesh, placements, world, spread=True, keep=None, n=1,
     sig = export_entries.Signature(dtype, shape, placements, tuple(range(world)), mesh)
     keys = ["w"] if n == 1 else [f"w{i}" for i in range(n)]
     described = [export_entries.Described(keys, (array.array("i", [0]) * n).tobytes(), [sig])]
-    holdings = export_pieces.merge_holdings(described * world, list(range(world)), 0, None)
+    holdings = export_holdings.merge_holdings(described * world, list(range(world)), 0, None)
     plans = [export_pieces.plan_entries(holdings, None, 0, list(range(world)), keep=r,
                                         spread=spread)
              for r in (range(world) if keep is None else [keep])]

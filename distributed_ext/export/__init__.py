@@ -5,6 +5,8 @@ One module per concern; the plan of pieces (:mod:`.pieces`) is the contract betw
 - :mod:`.keys`: in-memory names <-> the hub's keys, each written tensor as blocks of
   in-memory tensors (transformers' own conversion machinery).
 - :mod:`.entries`: what each rank holds, described as compact tables.
+- :mod:`.holdings`: those descriptions merged: who holds which in-memory tensor, and which
+  block of it (checked against the distribution plan the models record).
 - :mod:`.blocks`: boxes of tensors and their byte runs (pure geometry).
 - :mod:`.pieces`: the plan -- which rank sends which block of each written tensor.
 - :mod:`.messages`: how pieces travel, and the row tables that say where bytes go.

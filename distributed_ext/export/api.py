@@ -60,8 +60,9 @@ from distributed_ext.export.entries import (
     resolve_described,
     resolve_state,
 )
+from distributed_ext.export.holdings import agree_plan, merge_holdings
 from distributed_ext.export.messages import pack_cap
-from distributed_ext.export.pieces import Entry, agree_plan, check_keys, merge_holdings, plan_entries
+from distributed_ext.export.pieces import Entry, check_keys, plan_entries
 from distributed_ext.export.publish import _commit_round
 from distributed_ext.export.safetensors import _DTYPE_BY_NAME, layout_files, parse_shard_size
 from distributed_ext.export.sinks import FileSink, MemorySink

@@ -4,8 +4,6 @@ rank from the metadata round; checks raised here are raised by every rank alike.
 
 from __future__ import annotations
 
-import array
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -22,9 +20,8 @@ from distributed_ext.export.blocks import (
     _piece_runs,
     _tiles_exactly,
 )
-from distributed_ext.export.entries import Described, Signature, _dtensor_blocks
+from distributed_ext.export.holdings import Holding
 from distributed_ext.export.safetensors import _DTYPE_BY_NAME
-from distributed_ext.plan import DistributionPlan
 
 
 @dataclass(slots=True)
@@ -71,98 +68,6 @@ class Entry:
 
     def __post_init__(self) -> None:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass
-class Holding:
-    """How the ranks hold an in-memory key: its signature and each holder's block (one
-    object may serve every key of a signature; ``key`` is then the first of them)."""
-
-    key: str
-    sig: Signature
-    blocks: list[tuple[int, Block]]  # (group rank, block), in rank order
-
-
-def merge_holdings(described: list[Described], ranks: list[int], dst_rank: int,
-                   recorded: DistributionPlan | None) -> dict[str, Holding]:
-    """Who holds which in-memory key, and which block of it (the same on every rank);
-    ValueError if holders disagree on a key's dtype, shape or placements, a DTensor's mesh is
-    not the group's ranks, or a plain tensor is held against the recorded plan."""
-    world = len(described)
-    if recorded is not None and recorded.world_size != world:
-        raise ValueError(
-            f"the model records {recorded} but the export's group has {world} rank(s): every "
-            f"rank that holds a part of the model must take part (pass group=None, or a group "
-            f"of the plan's {recorded.world_size} ranks)")
-    first = described[dst_rank]
-    # The common case: every rank holds the same keys with the same signatures (an FSDP2
-    # model, a replicated state): one comparison per rank instead of one per key and rank.
-    same = all(d.keys == first.keys and d.sig_ids == first.sig_ids
-               and d.signatures == first.signatures for d in described)
-    holders: dict[str, list[tuple[int, Signature]]] = {}
-    if same:
-        sigs = array.array("i")
-        sigs.frombytes(first.sig_ids)
-        table = first.signatures
-        # One holding per signature, shared by its keys (checked once, with the first key).
-        shared: dict[int, Holding] = {}
-        out = {}
-        for key, i in zip(first.keys, sigs):
-            holding = shared.get(i)
-            if holding is None:
-                sig = table[i]
-                holding = shared[i] = _holding(key, [(r, sig) for r in range(world)], sig,
-                                               ranks, world, recorded)
-            out[key] = holding
-        return out
-    for r in [dst_rank] + [r for r in range(world) if r != dst_rank]:
-        d = described[r]
-        sigs = array.array("i")
-        sigs.frombytes(d.sig_ids)
-        for key, i in zip(d.keys, sigs):
-            holders.setdefault(key, []).append((r, d.signatures[i]))
-    out = {}
-    for key, held in holders.items():
-        held.sort(key=lambda rs: rs[0])
-        kinds = {s for _r, s in held}
-        if len(kinds) > 1:
-            listing = "; ".join(f"rank {ranks[r]}: {s.show()}" for r, s in held)
-            raise ValueError(f"state[{key!r}] differs between ranks ({listing}); every rank "
-                             "that holds a key must hold the same dtype, shape and placements")
-        out[key] = _holding(key, held, held[0][1], ranks, world, recorded)
-    return out
-
-
-def _holding(key: str, held: list[tuple[int, Signature]], sig: Signature, ranks: list[int],
-             world: int, recorded: DistributionPlan | None) -> Holding:
-    if sig.placements is None:
-        if recorded is not None:
-            allowed = sorted({world, recorded.edp})
-            if len(held) not in allowed:
-                raise ValueError(
-                    f"state[{key!r}] is held by {len(held)} rank(s) "
-                    f"({[ranks[r] for r, _s in held]}), but the model records {recorded}: "
-                    f"a plain tensor is held by {' or '.join(map(str, allowed))} ranks "
-                    "(every rank, or an expert shard's edp replicas); record the plan the "
-                    "model was distributed with")
-        whole = Block((0,) * len(sig.shape), sig.shape)
-        return Holding(key, sig, [(r, whole) for r, _s in held])
-    blocks = _dtensor_blocks(sig)
-    if len(held) != len(blocks) or any(ranks[r] not in blocks for r, _s in held):
-        raise ValueError(
-            f"state[{key!r}] is a DTensor on a mesh of global ranks {sorted(blocks)}, but "
-            f"ranks {[ranks[r] for r, _s in held]} of the export's group (global ranks "
-            f"{ranks}) hold it; export over the group its mesh spans")
-    return Holding(key, sig, _group_blocks(sig, tuple(ranks)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _group_blocks(sig: Signature, ranks: tuple[int, ...]) -> list[tuple[int, Block]]:
-    """A DTensor's blocks by group rank, in rank order: one list per signature, shared by
-    every key of that signature (read-only)."""
-    blocks = _dtensor_blocks(sig)
-    group_rank = {g: r for r, g in enumerate(ranks)}
-    return [(group_rank[g], Block(*blocks[g])) for g in sorted(blocks, key=group_rank.get)]
 
 
 # writers="all": a replicated block is split between its holders in row ranges of at least
@@ -424,12 +329,3 @@ def _choose_sender(owners: list[int], dst_rank: int, load: _Load, spread: bool =
         return dst_rank
     bytes_sent = load.current()
     return min(owners, key=lambda r: (bytes_sent[r], r))
-
-def agree_plan(plans: list[tuple | None], ranks: list[int]) -> DistributionPlan | None:
-    """The plan the ranks' models record (as tuples), the same on all; ValueError if not."""
-    if len(set(plans)) > 1:
-        listing = "; ".join(f"rank {g}: {DistributionPlan(*p) if p else 'none'}"
-                            for g, p in zip(ranks, plans))
-        raise ValueError(f"the ranks' models record different distribution plans ({listing}); "
-                         "record one plan on every rank's model")
-    return DistributionPlan(*plans[0]) if plans[0] is not None else None
