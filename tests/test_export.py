@@ -18,6 +18,7 @@ import distributed_ext as dx
 from distributed_ext import export as E
 from distributed_ext.export import api as export_api
 from distributed_ext.export import holdings as export_holdings
+from distributed_ext.export import regions as export_regions
 from distributed_ext.export import sinks as export_sinks
 from distributed_ext.export import stager as export_stager
 
@@ -1294,7 +1295,7 @@ def _random_rows(entries, seed, max_run=3000):
 def test_file_sink_writes_a_shuffled_row_table_exactly(tmp_path, monkeypatch, direct):
     # Small regions, so that a few KiB of tensors span many of them and runs cross their
     # ends; two files; rows in random order and long runs among the short ones.
-    monkeypatch.setattr(export_sinks, "REGION_BYTES", 4096)
+    monkeypatch.setattr(export_regions, "REGION_BYTES", 4096)
     monkeypatch.setattr(export_sinks, "SMALL_RUN", 2048)
     if not direct:
         monkeypatch.setattr(export_sinks._direct_io, "on_ram_filesystem", lambda path: True)

@@ -12,7 +12,8 @@ One module per concern; the plan of pieces (:mod:`.pieces`) is the contract betw
 - :mod:`.messages`: how pieces travel, and the row tables that say where bytes go.
 - :mod:`.safetensors`: dtypes, file names, headers, the layout over files, size parsing.
 - :mod:`.publish`: the stage directory and publishing it whole.
-- :mod:`.sinks`: where dst puts the bytes (files, memory).
+- :mod:`.sinks`: where dst puts the bytes (files, memory); :mod:`.regions`: short runs
+  assembled into aligned regions of a file, each written whole.
 - :mod:`.stager` and :mod:`.transfer`: the data round.
 - :mod:`.writers`: who writes the files (dst, or every rank its own bytes).
 - :mod:`.owners` and :mod:`.edges`: with every rank writing, who writes each block that two

@@ -29,7 +29,7 @@ from distributed_ext.export.messages import (
     plan_streams,
 )
 from distributed_ext.export.pieces import Entry
-from distributed_ext.export.sinks import REGION_BYTES
+from distributed_ext.export.regions import REGION_BYTES
 from distributed_ext.export.stager import _needs_pinned, _PinnedSlots, _Stager
 
 EXPORT_CHUNK_BYTES = 16 * 2**20
