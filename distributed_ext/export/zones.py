@@ -135,7 +135,7 @@ def plan_zones(entries: list[Entry], bases: torch.Tensor, me: int, dst_rank: int
             x, y = cuts[k], cuts[k + 1]
             peers = layout.meeting(x, y)
             held = [(piece_position(p, e, x), piece_position(p, e, y)) for p in peers]
-            counts = [b - a for a, b in held]
+            counts = [after - before for before, after in held]
             slack = 2 * max(p.runs(e).run for p in peers)
             owner = _owner(counts, [p.rank for p in peers], x >= a and y <= z and a < z,
                            (base + x) // region, dst_rank, slack)
