@@ -2265,29 +2265,35 @@ def test_a_rank_dying_while_the_owners_are_planned_is_named_by_every_survivor(tm
     assert not [n for n in os.listdir(tmp_path) if "dext" in n]
 
 
-def _owner_disk_fills(out):
+def _owner_disk_fills(out, layout):
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     r = dist.get_rank()
-    if r == 2:  # its disk fills once it writes the shared blocks it owns
+    if r == 2:  # its disk fills once it writes the shared blocks (or TP regions) it owns
         def full(self, data, rows):
             raise OSError(28, "No space left on device")
 
         E.FileSink.write_edges = full
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     g = torch.Generator().manual_seed(3)
-    state = {k: distribute_tensor(torch.randn(999, 77, generator=g), mesh, [Shard(0)])
-             for k in ("a", "b", "c")}
+    if layout == "tp":  # rows of 2 KiB a rank: 3 x 4.5 MiB in TP regions, a third rank 2's
+        state = {k: distribute_tensor(torch.randn(768, 1536, generator=g), mesh, [Shard(1)])
+                 for k in ("a", "b", "c")}
+    else:
+        state = {k: distribute_tensor(torch.randn(999, 77, generator=g), mesh, [Shard(0)])
+                 for k in ("a", "b", "c")}
     return _export_then_use_the_group(state, out, 2**20, "all")
 
 
-def test_an_owner_whose_disk_fills_while_writing_shared_blocks_fails_every_rank(tmp_path):
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_an_owner_whose_disk_fills_while_writing_shared_blocks_fails_every_rank(layout,
+                                                                                tmp_path):
     # The exchange's rounds go on to the end (no peer waits on the failed rank), then the
     # failure is agreed: every rank raises naming it, the earlier checkpoint stays.
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"an earlier checkpoint")
-    values = assert_all_ok(run_ranks(_owner_disk_fills, 3, str(out)))
+    values = assert_all_ok(run_ranks(_owner_disk_fills, 3, str(out), layout))
     assert values[2][0][:2] == ("raised", "OSError"), values[2]
     for r in (0, 1):
         assert values[r][0][:2] == ("raised", "RuntimeError") and \
