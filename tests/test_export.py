@@ -716,9 +716,11 @@ def test_gpu_resident_entries_cross_to_the_host_chunk_by_chunk_over_gloo(tmp_pat
     assert torch.equal(written["shared"], values[0][0]["shared"])
 
 
-def _export_killed_mid_transfer(out, victim, death_file, writers):
+def _export_killed_mid_transfer(out, victim, death_file, writers, tp=False):
     import signal
     import time
+
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     r = dist.get_rank()
 
@@ -727,7 +729,17 @@ def _export_killed_mid_transfer(out, victim, death_file, writers):
             f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if r == victim:
+    if r == victim and tp:  # while writing the TP regions it owns
+        real_edges, edge_calls = E.FileSink.write_edges, []
+
+        def edges(self, data, rows):
+            edge_calls.append(1)
+            if len(edge_calls) == 3:
+                die()
+            real_edges(self, data, rows)
+
+        E.FileSink.write_edges = edges
+    elif r == victim:
         calls = []
         if victim == 0:  # dst: while writing (what arrives, or its own long runs)
             def dying(real):
@@ -751,6 +763,10 @@ def _export_killed_mid_transfer(out, victim, death_file, writers):
 
             export_stager._piece_tensor = local
     state = {f"r{r}.w{i}": torch.full((2 * 2**20,), float(i)) for i in range(6)}  # 8 MiB each
+    if tp:  # rows of 2 KiB a rank: 6 x 4.5 MiB in TP regions, a third of them each rank's
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        state = {f"w{i}": distribute_tensor(torch.full((768, 1536), float(i)), mesh,
+                                            [Shard(1)]) for i in range(6)}
     try:
         dx.export_hf_checkpoint(state, out, chunk_bytes=2**20, writers=writers)
         return ("ok", time.time())
@@ -758,14 +774,17 @@ def _export_killed_mid_transfer(out, victim, death_file, writers):
         return ("raised", time.time(), type(exc).__name__, str(exc))
 
 
-@pytest.mark.parametrize("victim, writers", [(1, "dst"), (0, "dst"), (1, "auto"), (0, "auto")])
-def test_a_rank_killed_mid_export_is_named_by_every_survivor_within_10_s(victim, writers,
+@pytest.mark.parametrize("victim, writers, tp", [
+    (1, "dst", False), (0, "dst", False), (1, "auto", False), (0, "auto", False),
+    (1, "auto", True),  # while writing the TP regions it owns
+])
+def test_a_rank_killed_mid_export_is_named_by_every_survivor_within_10_s(victim, writers, tp,
                                                                          tmp_path):
     out = tmp_path / "ckpt"
     death_file = str(tmp_path / "death")
     # The group's own timeout is far away (120 s): only the liveness watch can be this quick.
     res = run_ranks(_export_killed_mid_transfer, 3, str(out), victim, death_file, writers,
-                    pg_timeout=120, timeout=100)
+                    tp, pg_timeout=120, timeout=100)
     assert res[victim].exit_code == -9, res[victim]
     with open(death_file) as f:
         died = float(f.read())
