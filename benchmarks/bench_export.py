@@ -13,13 +13,15 @@ gathered, rank 0 saving with safetensors), each in fresh ranks; the filesystem a
 average are printed beside the figures.
 
 The TP scenario (``--tp``): 16 ``Shard(1)`` entries (each rank's part of a row
-``--tp-run`` bytes: a ``Shard(1)``/TP layout's short runs), ``writers="all"`` beside
+``--tp-run`` bytes: a ``Shard(1)``/TP layout's short runs; ``--tp-dp D``: FSDP x TP on a D x
+world/D mesh), ``writers="all"`` beside
 ``writers="dst"`` and torch's ``full_tensor()`` route, each in fresh ranks, with the bytes
 each rank wrote and sent.
 
 Usage: python benchmarks/bench_export.py [--sizes 1GiB 4GiB] [--world 2] [--repeat 2]
        python benchmarks/bench_export.py --many [--many-world 4] [--many-entries 5000]
        python benchmarks/bench_export.py --tp [--sizes 1GiB] [--world 2] [--tp-run 2KiB]
+                                          [--tp-dp 1]
 """
 
 from __future__ import annotations
@@ -47,13 +49,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the TP-layout scenario (writers all, dst, torch) instead")
     ap.add_argument("--tp-run", type=bench.parse_bytes, default=2048,
                     help="bytes of each rank's part of a row (default 2KiB)")
+    ap.add_argument("--tp-dp", type=int, default=1,
+                    help="FSDP x TP: the mesh's FSDP size (a divisor of --world; default 1: TP "
+                         "alone)")
     args = ap.parse_args(argv)
     if args.tp:
         base = bench.bench_dir()
         load = os.getloadavg()
         for size in args.sizes:
-            rows = bench.measure_tp(args.world, size, args.tp_run, args.repeat, base)
-            print("\n".join(bench.format_tp(rows, args.world, size, args.tp_run, base, load)))
+            rows = bench.measure_tp(args.world, size, args.tp_run, args.repeat, base,
+                                    args.tp_dp)
+            print("\n".join(bench.format_tp(rows, args.world, size, args.tp_run, base, load,
+                                             args.tp_dp)))
         return 0
     if args.many:
         base = bench.bench_dir()

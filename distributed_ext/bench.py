@@ -1095,8 +1095,10 @@ def format_many(rows: list[tuple[str, int, Timing]], world: int, per_rank: int, 
 TP_ROUTES = ("writers=all", "writers=dst", "torch full_tensor()+save_file")
 
 
-def _tp_rank(route: str, size: int, run: int, base: str, repeat: int) -> dict | None:
-    """In each fresh rank: a TP layout of ``size`` bytes -- 16 fp32 ``Shard(1)`` DTensors,
+def _tp_rank(route: str, size: int, run: int, base: str, repeat: int, dp: int = 1
+             ) -> dict | None:
+    """In each fresh rank: a TP layout of ``size`` bytes -- 16 fp32 ``Shard(1)`` DTensors
+    (``dp`` > 1: FSDP x TP, ``[Shard(0), Shard(1)]`` on a ``dp`` x ``world / dp`` mesh),
     each rank's part of a row ``run`` bytes -- exported ``1 + repeat`` times by ``route``;
     dst's Timing and every rank's bytes written and sent (the first call's) as a dict on
     dst, None elsewhere."""
@@ -1111,12 +1113,14 @@ def _tp_rank(route: str, size: int, run: int, base: str, repeat: int) -> dict | 
     from distributed_ext._timing import time_calls
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    tp = world // dp
+    mesh = init_device_mesh("cpu", (dp, tp) if dp > 1 else (world,))
+    placements = [Shard(0), Shard(1)] if dp > 1 else [Shard(1)]
     g = torch.Generator().manual_seed(0)
-    cols = run // 4 * world
-    rows = max(1, size // 16 // (cols * 4))
+    cols = run // 4 * tp
+    rows = max(dp, size // 16 // (cols * 4))
     state = {f"model.layers.{i}.w": distribute_tensor(torch.randn(rows, cols, generator=g),
-                                                      mesh, [Shard(1)]) for i in range(16)}
+                                                      mesh, placements) for i in range(16)}
     out = os.path.join(base, f"dext-tp-{os.getppid()}")
     moved: list[RankIO] = []
 
@@ -1139,20 +1143,25 @@ def _tp_rank(route: str, size: int, run: int, base: str, repeat: int) -> dict | 
     return {"timing": asdict(timing), "io": every} if rank == 0 else None
 
 
-def measure_tp(world: int, size: int, run: int, repeat: int, base: str
+def measure_tp(world: int, size: int, run: int, repeat: int, base: str, dp: int = 1
                ) -> list[tuple[str, Timing, list]]:
     """Each route of :data:`TP_ROUTES` in fresh local ranks (:func:`_tp_rank`)."""
+    if dp < 1 or world % dp:
+        raise ValueError(f"--tp-dp {dp}: must divide --world {world} (the mesh is dp x "
+                         "world/dp); pass a divisor of the world size")
     rows = []
     for route in TP_ROUTES:
-        value = _dst_value(route, _tp_rank, world, route, size, run, base, repeat)
+        value = _dst_value(route, _tp_rank, world, route, size, run, base, repeat, dp)
         rows.append((route, Timing(**value["timing"]), value["io"]))
         print(f"  done: TP layout, {route}", file=sys.stderr, flush=True)
     return rows
 
 
 def format_tp(rows: list[tuple[str, Timing, list]], world: int, size: int, run: int,
-              base: str, load: tuple[float, float, float]) -> list[str]:
-    lines = [f"TP layout: world {world} on gloo, 16 fp32 Shard(1) DTensors, "
+              base: str, load: tuple[float, float, float], dp: int = 1) -> list[str]:
+    layout = (f"FSDP x TP ({dp} x {world // dp}, [Shard(0), Shard(1)])" if dp > 1
+              else "Shard(1)")
+    lines = [f"TP layout: world {world} on gloo, 16 fp32 {layout} DTensors, "
              f"{format_size(size)} in all, each rank's part of a row {run} bytes; writing to "
              f"{base} ({_filesystem(base)}); {_load_text(load)}",
              "| route | first call s | warm median s | warm min-max s | "

@@ -360,3 +360,7 @@ def test_the_tp_scenario_prints_each_route_beside_writers_all_with_their_ratios(
         in lines
     assert "  writers=dst / writers=all: first call 1.50x, warm 1.50x" in lines
     assert "  torch's route / writers=all: first call 4.00x, warm 5.00x" in lines
+    lines = bench.format_tp(rows, 4, 2**30, 2048, str(tmp_path), (1.0, 2.0, 3.0), dp=2)
+    assert "FSDP x TP (2 x 2, [Shard(0), Shard(1)])" in lines[0], lines[0]
+    with pytest.raises(ValueError, match="--tp-dp 3: must divide --world 4"):
+        bench.measure_tp(4, 2**20, 2048, 0, str(tmp_path), dp=3)
