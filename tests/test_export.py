@@ -729,29 +729,22 @@ def _export_killed_mid_transfer(out, victim, death_file, writers, tp=False):
             f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if r == victim and tp:  # while writing the TP regions it owns
-        real_edges, edge_calls = E.FileSink.write_edges, []
-
-        def edges(self, data, rows):
-            edge_calls.append(1)
-            if len(edge_calls) == 3:
-                die()
-            real_edges(self, data, rows)
-
-        E.FileSink.write_edges = edges
-    elif r == victim:
+    if r == victim:
         calls = []
-        if victim == 0:  # dst: while writing (what arrives, or its own long runs)
-            def dying(real):
-                def write(self, data, rows):
-                    calls.append(1)
-                    if len(calls) == 20:
-                        die()
-                    real(self, data, rows)
-                return write
 
-            E.FileSink.write_batch = dying(E.FileSink.write_batch)
-            E.FileSink.write_middles = dying(E.FileSink.write_middles)
+        def dying(real, at):
+            def write(self, data, rows):
+                calls.append(1)
+                if len(calls) == at:
+                    die()
+                real(self, data, rows)
+            return write
+
+        if tp:  # while writing the TP regions it owns
+            E.FileSink.write_edges = dying(E.FileSink.write_edges, 3)
+        elif victim == 0:  # dst: while writing (what arrives, or its own long runs)
+            E.FileSink.write_batch = dying(E.FileSink.write_batch, 20)
+            E.FileSink.write_middles = dying(E.FileSink.write_middles, 20)
         else:  # a sender: on its third shard
             real_local = export_stager._piece_tensor
 
