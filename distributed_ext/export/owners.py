@@ -8,8 +8,7 @@ by one rank. The owner of a shared block is the rank that holds most of its byte
 dst, then the lowest rank), so that the fewest bytes move; a block that also holds bytes
 dst writes anyway -- the file's header, or short runs (under ``SHORT_RUN``: small tensors,
 the partial blocks at a TP tensor's ends; :mod:`.zones`), which dst assembles into regions
--- is dst's. The others send the
-owner their fragments there.
+-- is dst's. The others send the owner their fragments there.
 
 No rank sees every fragment: each knows its own. The blocks are dealt out to the ranks
 (:func:`coordinators`), every fragment is sent to its block's rank, which plans the owners

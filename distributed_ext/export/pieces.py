@@ -317,15 +317,14 @@ class _Load:
         return self._bytes
 
 
-def _choose_sender(owners: list[int], dst_rank: int, load: _Load, spread: bool = False
+def _choose_sender(owners: list[int], dst_rank: int, load: _Load, zoned: bool = False
                    ) -> int:
     """Who sends a block: its one owner; dst if it holds a replica (it never crosses the
-    link; but not for a zoned tensor's block, ``spread``: its regions' writers are its
-    senders, not dst); else the replica holder with the fewest bytes to send (or write)
-    so far."""
+    link; but not for a ``zoned`` tensor's block: its regions' writers are its senders,
+    not dst); else the replica holder with the fewest bytes to send (or write) so far."""
     if len(owners) == 1:
         return owners[0]
-    if dst_rank in owners and not spread:
+    if dst_rank in owners and not zoned:
         return dst_rank
     bytes_sent = load.current()
     return min(owners, key=lambda r: (bytes_sent[r], r))

@@ -159,18 +159,17 @@ class _Layout:
     by bisection, not by a pass over every holder (1024 of them at world 1024)."""
 
     def __init__(self, entry: Entry, me: int) -> None:
-        pieces = sorted((p for p in entry.pieces if p.nbytes),
-                        key=lambda p: _span(p, entry)[0])
-        self.pieces = pieces
-        spans = [_span(p, entry) for p in pieces]
-        self.starts = [a for a, _b in spans]
-        self.ends = [b for _a, b in spans]
-        self.longest = max((b - a for a, b in spans), default=0)
+        spanned = sorted(((_span(p, entry), p) for p in entry.pieces if p.nbytes),
+                         key=lambda sp: sp[0][0])
+        self.pieces = pieces = [p for _sp, p in spanned]
+        self.starts = [a for (a, _b), _p in spanned]
+        self.ends = [b for (_a, b), _p in spanned]
+        self.longest = max((b - a for (a, b), _p in spanned), default=0)
         self.mine = [p for p in pieces if p.rank == me]
         # Where a group of holders begins: the first row of each distinct row range.
         row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
         self.groups = tuple(sorted({p.block.offset[0] * row for p in pieces} - {0}))
-        mine = [sp for sp, p in zip(spans, pieces) if p.rank == me]
+        mine = [sp for sp, p in spanned if p.rank == me]
         self.mine_span = (min(a for a, _b in mine), max(b for _a, b in mine)) if mine else (0, 0)
 
     def meeting(self, lo: int, hi: int) -> list[Piece]:
