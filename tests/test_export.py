@@ -16,9 +16,9 @@ from harness import assert_all_ok, read_rss, run_ranks
 
 import distributed_ext as dx
 from distributed_ext import export as E
-from distributed_ext.export import api as export_api
 from distributed_ext.export import holdings as export_holdings
 from distributed_ext.export import regions as export_regions
+from distributed_ext.export import rounds as export_rounds
 from distributed_ext.export import sinks as export_sinks
 from distributed_ext.export import stager as export_stager
 
@@ -900,7 +900,7 @@ def _failing_step(out, where):
             def fail(*args, **kwargs):
                 raise MemoryError("cannot allocate the receive buffers")
 
-            export_api._prepare_transfer = fail
+            export_rounds._prepare_transfer = fail
         elif where == "rename":
             from distributed_ext import _native
 
@@ -1245,7 +1245,7 @@ def _peer_dies_after_the_data(out):
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
 
-        export_api._commit_round = die  # every byte has arrived; rank 1 dies before the commit round
+        export_rounds._commit_round = die  # every byte has arrived; rank 1 dies before the commit round
     return _outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
 
 
@@ -1687,7 +1687,7 @@ def test_one_rank_deals_its_shared_blocks_at_a_simulated_world_of_1024():
     import array
     import tracemalloc
 
-    from distributed_ext.export import edges, transfer
+    from distributed_ext.export import edges, prepare
     from distributed_ext.export import entries as export_entries
     from distributed_ext.export import pieces as export_pieces
     from distributed_ext.export.messages import edge_table
@@ -1709,7 +1709,7 @@ def test_one_rank_deals_its_shared_blocks_at_a_simulated_world_of_1024():
     holdings = export_holdings.merge_holdings(described, list(range(world)), 0, None)
     entries = export_pieces.plan_entries(holdings, None, 0, list(range(world)), keep=me,
                                          spread=True)
-    written = [(e, p) for e in entries for p in e.pieces if not transfer._short(e, p)]
+    written = [(e, p) for e in entries for p in e.pieces if not prepare._short(e, p)]
     messages = E.plan_messages(written, 16 * 2**20, Files.bases)
     plan = edges.plan_edges(edge_table(messages, Files.bases, 4096)[0], Files, world)
     peak = tracemalloc.get_traced_memory()[1]
@@ -2448,7 +2448,7 @@ def test_owners_planned_by_the_ranks_blocks_are_dealt_to_equal_one_plan_of_them_
     # out by block; each rank's plan of what it was dealt, put together, equals the plan of
     # every fragment at once (owners, and receipts row for row in their order), and each
     # rank plans only a part of them.
-    from distributed_ext.export import edges, owners, transfer
+    from distributed_ext.export import edges, owners, prepare
     from distributed_ext.export.messages import edge_table
 
     shapes = {"rows": (3001, 700), "long_cols": (40, 60000), "tail": (777, 333)}
@@ -2478,7 +2478,7 @@ def test_owners_planned_by_the_ranks_blocks_are_dealt_to_equal_one_plan_of_them_
     tables = []
     for r in range(world):
         mine = [(e, p) for e in entries for p in e.pieces
-                if p.rank == r and not transfer._short(e, p)]
+                if p.rank == r and not prepare._short(e, p)]
         own = edge_table(E.plan_messages(mine, 2**20, bases), bases, 4096)[0]
         tables.append(edges.fragment_table(own))
     assert all(len(t) > 2 for t in tables)

@@ -14,13 +14,14 @@ One module per concern; the plan of pieces (:mod:`.pieces`) is the contract betw
 - :mod:`.publish`: the stage directory and publishing it whole.
 - :mod:`.sinks`: where dst puts the bytes (files, memory); :mod:`.regions`: short runs
   assembled into aligned regions of a file, each written whole.
-- :mod:`.stager` and :mod:`.transfer`: the data round.
+- :mod:`.prepare`, :mod:`.stager` and :mod:`.transfer`: the data round (its messages and
+  buffers planned and allocated up front; the bytes staged and moved).
 - :mod:`.writers`: who writes the files (dst, or every rank its own bytes).
 - :mod:`.owners` and :mod:`.edges`: with every rank writing, who writes each block that two
   ranks' runs share (the holder of most of its bytes), and how its bytes get there.
 - :mod:`.zones`: with every rank writing, who writes each region of a TP layout's short
   rows (the holder of most of its bytes), planned alike at both ends from the plan.
-- :mod:`.api`: the rounds, and the public functions.
+- :mod:`.rounds`: the agreed rounds of an export; :mod:`.api`: the public functions.
 """
 
 # The public calls, and (``X as X``: re-exported) the internals the tests reach from here.

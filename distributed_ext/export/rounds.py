@@ -1,0 +1,239 @@
+"""The rounds of an export (:func:`_export`), on every rank of the group:
+
+1. Metadata round (``all_reduce``): each rank describes its in-memory entries as compact
+   tables -- per key an index into a few distinct signatures (dtype, global shape, and for
+   a DTensor its placements and mesh), and the keys themselves only where ranks hold
+   different ones (else a digest of them). A bad entry (a ``Partial`` placement, a dtype
+   safetensors cannot store) raises on every rank before any byte moves.
+2. Plan, computed alike on every rank from that metadata: who holds which block of each
+   in-memory tensor (a DTensor's blocks computed locally from its shape, mesh and
+   placements), the tensors to write (for a model, the hub's layout that ``save_pretrained``
+   writes: :mod:`distributed_ext.export.keys`, each written tensor a set of boxes of in-memory
+   tensors), and for each, which rank sends which block (replicas once: dst's own copy if it
+   has one, else the least-loaded holder's; a model's recorded
+   :class:`~distributed_ext.DistributionPlan` is checked against what the ranks hold), and
+   an agreed error for keys whose ranks disagree on dtype or shape, whose blocks do not cover
+   the tensor, or whose conversion cannot be streamed.
+3. Preparing round: dst makes the files in a hidden stage beside the directory (or
+   allocates the full tensors); a failure raises on every rank. With ``writers="all"``
+   (:mod:`.writers`) every rank then opens them to write its own long runs itself, and
+   the ranks agree who writes each block their runs share (:mod:`.edges`: the blocks dealt
+   out, each rank planning the owners of ~1/W of them).
+4. Data: each rank's pieces travel as the messages of :func:`plan_messages` -- large pieces
+   in ``chunk_bytes`` pieces from their own memory, small ones packed by the compiled core --
+   and dst writes each message to its places as it arrives (small runs in one native call per
+   file, large ones with ``O_DIRECT`` where the filesystem takes it:
+   :mod:`distributed_ext._direct_io`), while a second thread writes dst's own pieces, which
+   never cross the link. Waits are watched (:mod:`distributed_ext._watch`).
+5. Final round: any failure (a full disk, a dead peer, an interrupt) makes every rank raise,
+   and dst removes its temporary files; else dst renames them into place, writes the index,
+   ``config.json`` and ``generation_config.json``, and removes stale shards of an earlier
+   checkpoint, as ``save_pretrained`` does.
+
+The checkpoint's layout and the families tested: ``docs/checkpoint.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import astuple
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distributed_ext import _agree, _watch, runtime
+from distributed_ext.collectives import _require_group_if_launched, all_reduce
+from distributed_ext.export import edges as _edges
+from distributed_ext.export import keys as _keys
+from distributed_ext.export.entries import (
+    Described,
+    _Args,
+    _check_args,
+    describe_state,
+    resolve_described,
+    resolve_state,
+)
+from distributed_ext.export.holdings import agree_plan, merge_holdings
+from distributed_ext.export.messages import pack_cap
+from distributed_ext.export.pieces import Entry, check_keys, plan_entries
+from distributed_ext.export.prepare import _prepare_transfer
+from distributed_ext.export.publish import _commit_round
+from distributed_ext.export.safetensors import _DTYPE_BY_NAME
+from distributed_ext.export.sinks import FileSink
+from distributed_ext.export.transfer import EXPORT_CHUNK_BYTES, _write_data, _write_own
+from distributed_ext.export.writers import resolve_writers
+from distributed_ext.plan import recorded_plan
+
+
+def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup | None,
+            make_sink: Callable[[list[Entry], nn.Module | None, str | None], Any],
+            chunk_bytes: int | None, what: str, hub_keys: bool = True,
+            extra_args: tuple[tuple[str, Any], ...] = (), commit: bool = False,
+            check: Callable[[], Any] | None = None, writers: str = "dst"
+            ) -> tuple[Any, nn.Module | None]:
+    """The rounds of the module docstring; returns (dst's sink, the model).
+
+    ``make_sink(entries, model, join)`` runs on dst in the preparing round (its failure is
+    agreed); with ``writers`` "all" or "auto" (:mod:`.writers`), where every rank sees dst's
+    stage, it runs on every other rank too, with ``join`` that stage's path. With ``commit``,
+    dst commits the sink in a last round that every rank joins, so that no rank returns
+    before the checkpoint is in place and a failed commit is raised on every rank.
+    ``check()`` validates the caller's own arguments (``extra_args``) on every rank, inside
+    the metadata round.
+    """
+
+    def resolve_chunk() -> int:
+        chunk = EXPORT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise ValueError(f"{what}: chunk_bytes must be a positive int (bytes per "
+                             f"transport message), got {chunk_bytes!r}")
+        return chunk
+
+    def plan(described: list[Described], model: nn.Module | None, dst_rank: int,
+             ranks: list[int], keep: int | None = None, spread: bool = False) -> list[Entry]:
+        holdings = merge_holdings(described, ranks, dst_rank,
+                                  agree_plan([d.plan for d in described], ranks))
+        written = None
+        if hub_keys and model is not None:
+            written = _keys.resolve_written(model, {
+                k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()})
+        entries = plan_entries(holdings, written, dst_rank, ranks, keep, spread)
+        check_keys(entries)
+        return entries
+
+    def describe(held: dict[str, Any]) -> Described:
+        chunk = resolve_chunk()
+        if check is not None:
+            check()
+        # Inside the agreed round: a state_dict() hook that raises on one rank is raised
+        # on every rank, not by that rank alone.
+        state, model = resolve_state(model_or_state)
+        recorded = recorded_plan(model) if model is not None else None
+        # Each key's local block, looked up once here: the transfer reads these.
+        local: dict[str, torch.Tensor] = {}
+        described = describe_state(state, None if recorded is None else astuple(recorded),
+                                   local)
+        described.args = _Args(dst, chunk, extra_args)
+        held.update(local=local, model=model, chunk=chunk, described=described)
+        return described.summary()
+
+    if not runtime.is_initialized():
+        _require_group_if_launched(what)
+        if dst != 0:
+            raise ValueError(f"{what}: dst={dst}, but there is no process group: the one "
+                             "process is rank 0 (pass dst=0, or set the group up first)")
+        held: dict[str, Any] = {}
+        describe(held)
+        state, model = held["local"], held["model"]
+        entries = plan([held["described"]], model, 0, [0])
+        sink = make_sink(entries, model, None)
+        prepared = None
+        try:
+            prepared = _prepare_transfer(state, entries, None, 0, held["chunk"])
+            _write_own(prepared.stager, sink, prepared.messages)
+            if commit:
+                sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+        finally:
+            if prepared is not None:
+                prepared.release()
+        return sink, model
+    ctx = _agree.resolve_group(group, what)
+    with _watch.DeferredInterrupts() as deferred:
+        held = {}
+        summaries = all_reduce(f"{what}: metadata", lambda: describe(held), list, group)
+        described = resolve_described(summaries, held["described"], what, group)
+        # From here on every rank computes the same from the same metadata: an error below is
+        # raised by every rank alike.
+        _check_args(described, ctx, what)
+        dst_rank = ctx.group_rank_of(dst)
+        if dst_rank is None:
+            raise ValueError(f"{what}: dst={dst} is not a member of the group (global ranks "
+                             f"{ctx.ranks}); pass the global rank of one of them")
+        state, model, chunk = held["local"], held["model"], held["chunk"]
+        # A sender makes only its own pieces; dst all of them (it lays out the files). Where
+        # every rank may write its own bytes, replicated blocks are split between their
+        # holders (planned again without, should the ranks turn out not to share the files).
+        keep = None if ctx.rank == dst_rank else ctx.rank
+        entries = plan(described, model, dst_rank, ctx.ranks, keep, spread=writers != "dst")
+        parts: dict[str, Any] = {"sink": None, "prepared": None}
+
+        def release() -> None:
+            """A failed round's cleanup: the buffers released and dst's stage removed."""
+            if parts["prepared"] is not None:
+                parts["prepared"].release()
+                parts["prepared"].release_local()
+            if parts["sink"] is not None:
+                parts["sink"].abort()
+
+        def agreed(stage: str, step: Callable[[], Any]) -> list[_agree.Status]:
+            """Runs ``step`` here and agrees its outcome (every rank's status, with the fields
+            it returned); on any failure (on any rank) every rank cleans up
+            (:func:`release`) and raises."""
+            return _agree.agree(what, ctx, step, stage=stage, cleanup=release)
+
+        def prepare() -> None:
+            interrupted = deferred.take()  # one that landed in the metadata round fails here
+            if interrupted is not None:
+                raise interrupted
+            if ctx.rank == dst_rank:
+                parts["sink"] = make_sink(entries, model, None)
+            if writers == "dst":
+                parts["prepared"] = _prepare_transfer(state, entries, ctx, dst_rank, chunk)
+
+        agreed("preparing", prepare)
+        mode = "dst"
+        if writers != "dst":
+            try:
+                mode, stage = resolve_writers(
+                    writers, None if parts["sink"] is None else parts["sink"].stage.path, ctx,
+                    dst_rank, group, what, dict(extra_args).get("directory"))
+            except BaseException:
+                release()
+                raise
+
+            def joined_layout() -> FileSink:
+                """The files; a sender opens them (joins dst's stage) here."""
+                if parts["sink"] is None:
+                    parts["sink"] = make_sink(entries, model, stage)
+                return parts["sink"]
+
+            def join() -> tuple[int]:
+                nonlocal entries
+                if mode == "dst":  # (auto, where some rank does not see the files)
+                    entries = plan(described, model, dst_rank, ctx.ranks, keep)
+                parts["prepared"] = _prepare_transfer(
+                    state, entries, ctx, dst_rank, chunk, local=mode == "all",
+                    layout=joined_layout)
+                edges = parts["prepared"].edges
+                if edges is None:
+                    return (0, 0)
+                return (int(len(edges.rows) > 0), int(bool(edges.zones)))
+
+            # (Each rank's status fields say whether it has fragments of shared blocks, and
+            # whether it writes, sends or receives TP rows' regions.)
+            statuses = agreed("preparing the writers", join)
+            fragments = any(s.fields[0] for s in statuses)
+            if fragments or any(s.fields[1] for s in statuses):
+                agreed("preparing the shared blocks", lambda: _edges.prepare_round(
+                    parts["prepared"].edges, parts["sink"], entries, state, ctx, dst_rank,
+                    pack_cap(chunk), what, resolve=fragments))
+        sink, prepared = parts["sink"], parts["prepared"]
+        assert prepared is not None
+        try:
+            failure = _write_data(state, prepared, sink, ctx, dst_rank, what)
+        except _watch.PeerFailure as exc:
+            if sink is not None:
+                sink.abort()
+            raise _agree.peer_failure_error(what, exc) from exc.cause
+        _agree.agree(what, ctx, failure=failure or deferred.take(), stage="transfer",
+                     cleanup=None if sink is None else sink.abort)
+        if ctx.rank != dst_rank:
+            sink = None  # (a writer's own files: closed; dst publishes them)
+        if commit:
+            _commit_round(sink, ctx, deferred, what)
+    return sink, model
