@@ -790,6 +790,9 @@ def test_a_rank_killed_mid_export_is_named_by_every_survivor_within_10_s(victim,
     assert not [n for n in names if not n.endswith(".tmp")], names
     if victim != 0:
         assert names == []
+    if victim != 0 or writers != "dst":  # no stage left: with every rank writing, the
+        # survivors see dst's stage and remove it when dst died (dst's own, else)
+        assert not [n for n in os.listdir(tmp_path) if "dext" in n], os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("sizes, chunk, expected", [

@@ -1220,3 +1220,62 @@ def test_a_subgroup_whose_dst_is_not_rank_0_writes_as_full_tensor_holds_it(tmp_p
         assert torch.equal(got[f"own{r}"], values[r][f"own{r}"])
         for k in ("fsdp", "tp", "rep", "plain"):
             assert torch.equal(got[k], values[r][k]), (r, k)
+
+
+def _fails_first_while_others_write(out, how):
+    """Rank 1 fails at its first write of its own bytes (a full disk, or a Ctrl-C); ranks 0
+    and 2 write theirs slowly (each message a pause): they must stop writing, not finish."""
+    import signal
+    import time
+
+    r = dist.get_rank()
+    calls = []
+    real = E.FileSink.write_middles
+
+    def write_middles(self, data, rows):
+        calls.append(int(data.numel()))
+        if r == 1:
+            if how == "interrupt":  # the deferred Ctrl-C: raised in the agreeing round
+                os.kill(os.getpid(), signal.SIGINT)
+            else:
+                raise OSError(28, "No space left on device")
+        else:
+            time.sleep(0.1)
+        return real(self, data, rows)
+
+    E.FileSink.write_middles = write_middles
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # 3 x 24 MiB, each rank's block 8 MiB: written in 64 KiB messages, 128 per tensor a rank
+    state = {k: distribute_tensor(torch.randn(3072, 2048), mesh, [Shard(0)])
+             for k in ("a", "b", "c")}
+    try:
+        dx.export_hf_checkpoint(state, out, chunk_bytes=2**16, writers="all")
+        outcome = ("ok",)
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt included
+        outcome = ("raised", type(exc).__name__, str(exc))
+    return outcome, len(calls), dx.all_reduce("after", lambda: 1, sum)
+
+
+@pytest.mark.parametrize("how", ["disk full", "interrupt"])
+def test_a_rank_failing_in_its_own_writes_stops_its_peers_own_writes(how, tmp_path):
+    # Each rank's own writes are waited on by no peer; the failure is agreed in the round
+    # after them. Without the stop flag ranks 0 and 2 would write all 384 of their messages
+    # (38 s of pauses) before raising; they stop within a few.
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier checkpoint")
+    values = assert_all_ok(run_ranks(_fails_first_while_others_write, 3, str(out), how,
+                                     timeout=120))
+    cause = "KeyboardInterrupt" if how == "interrupt" else "OSError"
+    assert values[1][0][:2] == ("raised", cause), values[1]
+    for r in (0, 2):
+        outcome, calls, after = values[r]
+        assert outcome[:2] == ("raised", "RuntimeError") and \
+            f"rank 1 failed with {cause}" in outcome[2], outcome
+        assert calls < 40, (r, calls)  # (one flag read per 50 ms: a few messages at most)
+    assert all(after == 3 for _outcome, _calls, after in values)
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"an earlier checkpoint"
+    assert not [n for n in os.listdir(tmp_path) if "dext" in n]

@@ -16,7 +16,8 @@ One module per concern; the plan of pieces (:mod:`.pieces`) is the contract betw
   assembled into aligned regions of a file, each written whole.
 - :mod:`.prepare`, :mod:`.stager` and :mod:`.transfer`: the data round (its messages and
   buffers planned and allocated up front; the bytes staged and moved).
-- :mod:`.writers`: who writes the files (dst, or every rank its own bytes).
+- :mod:`.writers`: who writes the files (dst, or every rank its own bytes); :mod:`.stop`:
+  the flag that stops every rank's own writes once one rank failed.
 - :mod:`.owners` and :mod:`.edges`: with every rank writing, who writes each block that two
   ranks' runs share (the holder of most of its bytes), and how its bytes get there.
 - :mod:`.zones`: with every rank writing, who writes each region of a TP layout's short

@@ -130,12 +130,16 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     a key's dtype or shape, blocks that do not tile a tensor exactly), a ``state_dict()`` that
     raises, an allocation or a ``config`` that does not serialize raise on every rank before
     any byte moves; a failure during the transfer (a full disk, a dead peer, Ctrl-C) or the
-    commit (an fsync or rename error) makes every rank raise. Under a distributed launch with
-    no process group set up, RuntimeError. The checkpoint is built in a hidden sibling
-    directory and published whole (an atomic ``renameat2(RENAME_EXCHANGE)`` swap; elsewhere
-    an order that makes a partial state fail to load), so a crash at any instant leaves the
-    earlier checkpoint or the new one, never a mix; files of the directory that the
-    checkpoint does not replace are kept; stale shards are gone, as with ``save_pretrained``.
+    commit (an fsync or rename error) makes every rank raise; with ``writers="all"`` a rank
+    whose own writes fail (or that is interrupted) stops its peers' own writes too (a flag in
+    the group's store, read between messages), so they raise within moments rather than
+    after writing their shares (a rank that dies is named at its peers' next wait). Under a
+    distributed launch with no process group set up, RuntimeError. The checkpoint is built
+    in a hidden sibling directory and published whole (an atomic
+    ``renameat2(RENAME_EXCHANGE)`` swap; elsewhere an order that makes a partial state fail
+    to load), so a crash at any instant leaves the earlier checkpoint or the new one, never
+    a mix; files of the directory that the checkpoint does not replace are kept; stale shards
+    are gone, as with ``save_pretrained``.
     See ``docs/checkpoint.md``.
 
     Args:

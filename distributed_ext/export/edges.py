@@ -282,12 +282,14 @@ def _table(rows: torch.Tensor | list[Segment]) -> torch.Tensor:
     return _rows(rows) if isinstance(rows, list) else rows
 
 
-def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> None:
+def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str,
+             stop: Any = None) -> None:
     """Sends this rank's fragments to their owners and writes the blocks it owns (its
     kept fragments and those it receives, through ``sink.write_edges``), in rounds (module
     docstring). A write or read that fails is raised once every round is done (the
     messages keep their sizes: no peer waits); a peer that fails is named. ``sink`` None
-    (this rank failed already): it only sends and receives, so that no peer waits."""
+    (this rank failed already): it only sends and receives, so that no peer waits; so too,
+    from then on, once ``stop`` (a :class:`.stop.StopSignal`) says some rank failed."""
     stager = plan.stager
     assert stager is not None
     failures: list[BaseException] = []
@@ -301,12 +303,14 @@ def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str) -> 
         return host
 
     def write(data: torch.Tensor, rows: torch.Tensor) -> None:
-        if failures or sink is None:
+        if failures or sink is None or (stop is not None and stop.seen()):
             return
         try:
             sink.write_edges(to_host(data), rows)
         except BaseException as exc:  # noqa: BLE001 - raised once the rounds are done
             failures.append(exc)
+            if stop is not None:
+                stop.post()
 
     def body(_worker: Any) -> None:
         if ctx.device.type == "cuda":

@@ -40,6 +40,8 @@ class _Prepared:
     own_chunk: int = 0  # the size those are cut in (whole blocks)
     # writers="all": the fragments of shared blocks, and who writes them (:mod:`.edges`)
     edges: _edges.EdgePlan | None = None
+    # writers="all": the flag that stops this rank's own writes once a rank failed
+    stop: Any = None  # (:class:`.stop.StopSignal`)
 
     def release(self) -> None:
         """Returns the transfer's pinned slots (never while a transport may read them)."""

@@ -62,6 +62,7 @@ from distributed_ext.export.prepare import _prepare_transfer
 from distributed_ext.export.publish import _commit_round
 from distributed_ext.export.safetensors import _DTYPE_BY_NAME
 from distributed_ext.export.sinks import FileSink
+from distributed_ext.export.stop import StopSignal
 from distributed_ext.export.transfer import EXPORT_CHUNK_BYTES, _write_data, _write_own
 from distributed_ext.export.writers import resolve_writers
 from distributed_ext.plan import recorded_plan
@@ -209,6 +210,8 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 parts["prepared"] = _prepare_transfer(
                     state, entries, ctx, dst_rank, chunk, local=mode == "all",
                     layout=joined_layout)
+                if mode == "all":
+                    parts["prepared"].stop = StopSignal(stage, ctx.size, deferred)
                 edges = parts["prepared"].edges
                 if edges is None:
                     return (0, 0)

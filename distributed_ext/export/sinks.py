@@ -24,7 +24,14 @@ from distributed_ext.export.messages import (
     aligned_middles,
 )
 from distributed_ext.export.pieces import Entry
-from distributed_ext.export.publish import Stage, _config_texts, _fsync_path, _write_file
+from distributed_ext.export.publish import (
+    _STAGE_TAG,
+    Stage,
+    _config_texts,
+    _fsync_path,
+    _remove,
+    _write_file,
+)
 from distributed_ext.export.regions import Regions
 from distributed_ext.export.safetensors import INDEX_NAME, WEIGHTS_NAME, safetensors_header
 
@@ -55,6 +62,7 @@ class FileSink:
         # A joined writer writes only the aligned blocks inside its runs (write_middles) and
         # the shared blocks it owns (write_edges), and makes durable only the files it wrote.
         self.joined = join is not None
+        self._join = join
         self._written: set[_direct_io.DirectFile] = set()
         self.stage = Stage(directory) if join is None else None
         where = self.stage.path if self.stage is not None else join
@@ -238,10 +246,14 @@ class FileSink:
 
     def abort(self) -> None:
         """Removes the stage; the directory is as it was (unless already published). A
-        joined sink only closes its files (dst removes the stage)."""
+        joined sink removes dst's stage too: it is aborted only before the commit round
+        (nothing of the stage is published yet), and dst may be the rank that died and
+        cannot (the first to get there removes it; the others find it gone)."""
         self.close()
         if self.stage is not None:
             self.stage.abort()
+        elif self._join is not None and _STAGE_TAG in os.path.basename(self._join):
+            _remove(self._join)  # (only ever a stage: never the user's directory)
 
     def finish(self) -> None:
         """Writes what regions still hold and makes this rank's bytes durable (dst: every

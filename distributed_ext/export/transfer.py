@@ -18,25 +18,35 @@ from distributed_ext.export import edges as _edges
 from distributed_ext.export.messages import Segment, _message_nbytes, _placement, _rows
 from distributed_ext.export.prepare import _Prepared
 from distributed_ext.export.stager import _Stager
+from distributed_ext.export.stop import StopSignal
 
 EXPORT_CHUNK_BYTES = 16 * 2**20
 
 
 def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
-               middles: bool = False) -> None:
+               middles: bool = False, stop: StopSignal | None = None) -> None:
     """Writes this rank's own pieces to the sink, message by message (:func:`plan_messages`):
     small pieces packed, so the files see one batch of runs per chunk, not one call per
     tensor; GPU bytes through the stager's pinned slot (never a whole block on the host).
     ``middles`` (``writers="all"``, the pieces it writes itself): only the whole aligned
-    blocks inside each run; their ends are written by the blocks' owners (:mod:`.edges`)."""
+    blocks inside each run; their ends are written by the blocks' owners (:mod:`.edges`).
+    ``stop``: read between messages; once some rank failed, the rest is not written (no
+    peer waits on these writes); a failure here raises it for the others."""
     if not messages:
         return
     write = sink.write_middles if middles else sink.write_batch
-    for message in messages:
-        data, _keep = stager.stage(message, 0, _placement(sink, message))
-        if stager.failure is not None:
-            raise stager.failure
-        write(data, _rows(message))
+    try:
+        for message in messages:
+            if stop is not None and stop.seen():
+                return
+            data, _keep = stager.stage(message, 0, _placement(sink, message))
+            if stager.failure is not None:
+                raise stager.failure
+            write(data, _rows(message))
+    except BaseException:
+        if stop is not None:
+            stop.post()
+        raise
 
 
 # Buffers of transfers that were posted when a peer failed: the transport may still read or
@@ -116,13 +126,16 @@ def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
                 sink.write_batch(data, _rows(message))
             except BaseException as exc:  # noqa: BLE001
                 failures.append(exc)
+                if prepared.stop is not None:  # (the others' own writes stop)
+                    prepared.stop.post()
 
         def write_own() -> None:
             if on_device:
                 torch.cuda.set_device(ctx.device)
             try:
                 _write_own(prepared.stager, sink, prepared.messages)
-                _write_own(prepared.stager, sink, prepared.local_messages, middles=True)
+                _write_own(prepared.stager, sink, prepared.local_messages, middles=True,
+                           stop=prepared.stop)
             except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
                 failures.append(exc)
 
@@ -196,11 +209,13 @@ def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
             _transfer(state, prepared, sink, ctx, dst_rank, what)
             if prepared.local_messages and ctx.rank != dst_rank:  # (dst's: in _transfer)
                 _write_own(prepared.start_local(state), sink, prepared.local_messages,
-                           middles=True)
+                           middles=True, stop=prepared.stop)
         except _watch.PeerFailure:
             raise
         except BaseException as exc:  # noqa: BLE001 - this rank's: agreed by the caller
             failure = exc
+            if prepared.stop is not None:
+                prepared.stop.post()
         finally:
             prepared.release_local()
         edge_plan = prepared.edges
@@ -209,11 +224,14 @@ def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
         # after a failure, as posted_failure wants).
         if edge_plan is not None and edge_plan.stager is not None and \
                 (failure is None or _watch.posted_failure() is None):
-            _edges.exchange(edge_plan, sink if failure is None else None, ctx, what)
+            _edges.exchange(edge_plan, sink if failure is None else None, ctx, what,
+                            prepared.stop)
         if failure is None and ctx.rank != dst_rank and sink is not None:
             sink.finish()
     except _watch.PeerFailure:
         raise
     except BaseException as exc:  # noqa: BLE001
         failure = failure or exc
+        if prepared.stop is not None:
+            prepared.stop.post()
     return failure
