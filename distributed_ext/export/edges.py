@@ -40,6 +40,7 @@ from distributed_ext.export.messages import (
 )
 from distributed_ext.export.pieces import Entry
 from distributed_ext.export.stager import _Stager
+from distributed_ext.export.stop import StopSignal
 from distributed_ext.export.zones import ZonePlan
 
 # Plans whose buffers a transport may still use after a peer failed: never freed.
@@ -283,13 +284,13 @@ def _table(rows: torch.Tensor | list[Segment]) -> torch.Tensor:
 
 
 def exchange(plan: EdgePlan, sink: Any, ctx: _agree.GroupContext, what: str,
-             stop: Any = None) -> None:
+             stop: StopSignal | None = None) -> None:
     """Sends this rank's fragments to their owners and writes the blocks it owns (its
     kept fragments and those it receives, through ``sink.write_edges``), in rounds (module
     docstring). A write or read that fails is raised once every round is done (the
     messages keep their sizes: no peer waits); a peer that fails is named. ``sink`` None
     (this rank failed already): it only sends and receives, so that no peer waits; so too,
-    from then on, once ``stop`` (a :class:`.stop.StopSignal`) says some rank failed."""
+    from then on, once ``stop`` says some rank failed."""
     stager = plan.stager
     assert stager is not None
     failures: list[BaseException] = []

@@ -20,6 +20,7 @@ from distributed_ext.export.messages import Segment, edge_table, plan_messages, 
 from distributed_ext.export.pieces import Entry
 from distributed_ext.export.regions import REGION_BYTES
 from distributed_ext.export.stager import _needs_pinned, _PinnedSlots, _Stager
+from distributed_ext.export.stop import StopSignal
 
 
 @dataclass
@@ -41,7 +42,7 @@ class _Prepared:
     # writers="all": the fragments of shared blocks, and who writes them (:mod:`.edges`)
     edges: _edges.EdgePlan | None = None
     # writers="all": the flag that stops this rank's own writes once a rank failed
-    stop: Any = None  # (:class:`.stop.StopSignal`)
+    stop: StopSignal | None = None
 
     def release(self) -> None:
         """Returns the transfer's pinned slots (never while a transport may read them)."""
