@@ -1222,9 +1222,10 @@ def test_a_subgroup_whose_dst_is_not_rank_0_writes_as_full_tensor_holds_it(tmp_p
             assert torch.equal(got[k], values[r][k]), (r, k)
 
 
-def _fails_first_while_others_write(out, how):
-    """Rank 1 fails at its first write of its own bytes (a full disk, or a Ctrl-C); ranks 0
-    and 2 write theirs slowly (each message a pause): they must stop writing, not finish."""
+def _fails_first_while_others_write(out, how, victim):
+    """``victim`` fails at its first write of its own bytes (a full disk, or a Ctrl-C; dst
+    writes its own in a thread beside its receives); the other two write theirs slowly
+    (each message a pause): they must stop writing, not finish."""
     import signal
     import time
 
@@ -1234,7 +1235,7 @@ def _fails_first_while_others_write(out, how):
 
     def write_middles(self, data, rows):
         calls.append(int(data.numel()))
-        if r == 1:
+        if r == victim:
             if how == "interrupt":  # the deferred Ctrl-C: raised in the agreeing round
                 os.kill(os.getpid(), signal.SIGINT)
             else:
@@ -1258,22 +1259,22 @@ def _fails_first_while_others_write(out, how):
     return outcome, len(calls), dx.all_reduce("after", lambda: 1, sum)
 
 
-@pytest.mark.parametrize("how", ["disk full", "interrupt"])
-def test_a_rank_failing_in_its_own_writes_stops_its_peers_own_writes(how, tmp_path):
+@pytest.mark.parametrize("how, victim", [("disk full", 1), ("interrupt", 1), ("disk full", 0)])
+def test_a_rank_failing_in_its_own_writes_stops_its_peers_own_writes(how, victim, tmp_path):
     # Each rank's own writes are waited on by no peer; the failure is agreed in the round
-    # after them. Without the stop flag ranks 0 and 2 would write all 384 of their messages
-    # (38 s of pauses) before raising; they stop within a few.
+    # after them. Without the stop flag the other two would write all 384 of their
+    # messages (38 s of pauses) before raising; they stop within a few.
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"an earlier checkpoint")
     values = assert_all_ok(run_ranks(_fails_first_while_others_write, 3, str(out), how,
-                                     timeout=120))
+                                     victim, timeout=120))
     cause = "KeyboardInterrupt" if how == "interrupt" else "OSError"
-    assert values[1][0][:2] == ("raised", cause), values[1]
-    for r in (0, 2):
+    assert values[victim][0][:2] == ("raised", cause), values[victim]
+    for r in {0, 1, 2} - {victim}:
         outcome, calls, after = values[r]
         assert outcome[:2] == ("raised", "RuntimeError") and \
-            f"rank 1 failed with {cause}" in outcome[2], outcome
+            f"rank {victim} failed with {cause}" in outcome[2], outcome
         assert calls < 40, (r, calls)  # (one flag read per 50 ms: a few messages at most)
     assert all(after == 3 for _outcome, _calls, after in values)
     assert sorted(os.listdir(out)) == ["model.safetensors"]

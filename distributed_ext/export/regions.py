@@ -19,8 +19,6 @@ from distributed_ext import _direct_io, _native
 # region written direct once whole; at most ASSEMBLY_BYTES of regions are held at once (the
 # oldest then goes through the page cache).
 REGION_BYTES = 2**20
-
-
 ASSEMBLY_BYTES = 64 * 2**20
 
 

@@ -31,22 +31,18 @@ def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
     ``middles`` (``writers="all"``, the pieces it writes itself): only the whole aligned
     blocks inside each run; their ends are written by the blocks' owners (:mod:`.edges`).
     ``stop``: read between messages; once some rank failed, the rest is not written (no
-    peer waits on these writes); a failure here raises it for the others."""
+    peer waits on these writes). A failure here is raised; the caller that holds it back
+    for the agreeing round raises ``stop`` for the others."""
     if not messages:
         return
     write = sink.write_middles if middles else sink.write_batch
-    try:
-        for message in messages:
-            if stop is not None and stop.seen():
-                return
-            data, _keep = stager.stage(message, 0, _placement(sink, message))
-            if stager.failure is not None:
-                raise stager.failure
-            write(data, _rows(message))
-    except BaseException:
-        if stop is not None:
-            stop.post()
-        raise
+    for message in messages:
+        if stop is not None and stop.seen():
+            return
+        data, _keep = stager.stage(message, 0, _placement(sink, message))
+        if stager.failure is not None:
+            raise stager.failure
+        write(data, _rows(message))
 
 
 # Buffers of transfers that were posted when a peer failed: the transport may still read or
@@ -138,6 +134,8 @@ def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
                            stop=prepared.stop)
             except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
                 failures.append(exc)
+                if prepared.stop is not None:  # (the others' own writes stop)
+                    prepared.stop.post()
 
         # Two receives in flight per sender, each written as it lands, while a second thread
         # writes dst's own pieces: the link, the disk and the senders all keep busy.

@@ -165,12 +165,13 @@ class _Layout:
         self.starts = [a for (a, _b), _p in spanned]
         self.ends = [b for (_a, b), _p in spanned]
         self.longest = max((b - a for (a, b), _p in spanned), default=0)
-        self.mine = [p for p in pieces if p.rank == me]
+        mine = [(sp, p) for sp, p in spanned if p.rank == me]
+        self.mine = [p for _sp, p in mine]
+        self.mine_span = (min(a for (a, _b), _p in mine),
+                          max(b for (_a, b), _p in mine)) if mine else (0, 0)
         # Where a group of holders begins: the first row of each distinct row range.
         row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
         self.groups = tuple(sorted({p.block.offset[0] * row for p in pieces} - {0}))
-        mine = [sp for sp, p in spanned if p.rank == me]
-        self.mine_span = (min(a for a, _b in mine), max(b for _a, b in mine)) if mine else (0, 0)
 
     def meeting(self, lo: int, hi: int) -> list[Piece]:
         """The pieces with bytes between ``lo`` and ``hi`` (their spans meet it)."""
