@@ -77,6 +77,7 @@ __all__ = [
     "posted_failure",
     "run_watched",
     "wait_work",
+    "watch_client",
 ]
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -129,15 +130,68 @@ def _clone(store: Any) -> Any:
         return store
 
 
+# The watch's own connection to the default store: (the store, its clone).
+_client: tuple[Any, Any] | None = None
+_client_lock = threading.Lock()
+
+
+def watch_client() -> Any:
+    """This process's connection to the default group's store for reads that must never
+    block behind another thread's store call (the liveness checks, the export's stop flag):
+    a clone, made once per store by :func:`ensure_heartbeat` while the store's host is alive
+    -- never at the moment a wait stalls, when that host may be the peer that died (a clone
+    of a dead TCPStore keeps reconnecting until the group's timeout). None without a store.
+    Thread-safe (the store client serializes its calls; every call made on it is short)."""
+    global _client
+    store = _default_store()
+    if store is None:
+        return None
+    with _client_lock:
+        if _client is None or _client[0] is not store:
+            _client = (store, _clone(store))
+        return _client[1]
+
+
+def _store_address(store: Any) -> tuple[str, int] | None:
+    """Where a TCPStore's server listens (None for another kind of store)."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    host, port = getattr(inner, "host", None), getattr(inner, "port", None)
+    return (host, int(port)) if host and port else None
+
+
+def _store_host_rank() -> int | None:
+    """The global rank whose process hosts the default store's server: rank 0 where the
+    group made its own TCPStore (``tcp://`` or ``env://`` without torchrun: mp.spawn, srun,
+    hand-written launchers); None under torchrun's agent store (the agent hosts it)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    return 0
+
+
+def _refuses(address: tuple[str, int]) -> bool:
+    """Whether a TCP server at ``address`` refuses connections: its process is gone (the
+    kernel closed its listening socket)."""
+    try:
+        with socket.create_connection(address, timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # unreachable or slow: cannot tell
+
+
 def ensure_heartbeat() -> None:
     """Starts this process's heartbeat into the default group's store and its liveness
-    endpoint (idempotent, cheap)."""
+    endpoint, and the watch's store connection (idempotent, cheap)."""
     global _atexit_registered
     if not (dist.is_available() and dist.is_initialized()):
         return
     store = _default_store()
     if store is None:
         return
+    watch_client()
     key = _KEY + str(dist.get_rank())
     if _native.heartbeat_running(store, key):
         return
@@ -162,16 +216,20 @@ class _Endpoint:
 
     _lock = threading.Lock()
     _port: int | None = None
+    _address = ""
 
     @classmethod
-    def _start(cls) -> int:
+    def _start(cls, address: str) -> int:
+        """Listens on ``address`` only -- where peers reach this host (loopback on one
+        machine), never every interface."""
         with cls._lock:
             if cls._port is None:
                 listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                listener.bind(("0.0.0.0", 0))
+                listener.bind((address, 0))
                 listener.listen(128)
                 listener.setblocking(False)
                 cls._port = listener.getsockname()[1]
+                cls._address = address
                 threading.Thread(target=cls._serve, args=(listener,), daemon=True,
                                  name="distributed_ext liveness endpoint").start()
             return cls._port
@@ -205,8 +263,8 @@ class _Endpoint:
     def publish(cls, client: Any, rank: int, store: Any) -> None:
         """Starts the endpoint (once per process) and publishes where it listens."""
         try:
-            port = cls._start()
-            value = f"{_advertised_address(store)} {port} {socket.gethostname()} {os.getpid()}"
+            port = cls._start(_advertised_address(store))
+            value = f"{cls._address} {port} {socket.gethostname()} {os.getpid()}"
             client.set(_WHERE_KEY + str(rank), value)
         except Exception:  # noqa: BLE001 - without it, a stalled peer is only ever silent
             pass
@@ -329,9 +387,9 @@ class _Liveness:
     """Tells dead peers from slow ones: see the module docstring for the rule."""
 
     def __init__(self, ranks: list[int]) -> None:
-        store = _default_store()
-        # A clone of our own: reads that no blocked store call of another thread holds up.
-        self.store = None if store is None else _clone(store)
+        # A connection of our own, made while the store was alive: reads that no blocked
+        # store call of another thread holds up, and no reconnecting to a dead store.
+        self.store = watch_client()
         me = dist.get_rank() if dist.is_initialized() else -1
         self.ranks = [r for r in ranks if r != me]
         self.seen: dict[int, tuple[bytes, float]] = {}
@@ -352,9 +410,11 @@ class _Liveness:
                     continue  # never beat: not yet in a collective of ours, not known dead
                 value = self.store.get(key)
             except Exception:
-                # The store itself is unreachable: its host (rank 0's node, or the launcher)
-                # is gone, and with it any way to tell; the transport's own errors decide.
-                return []
+                # The store itself is unreachable: its host is gone. Where that host is a
+                # peer (rank 0 under tcp:// or env:// without torchrun) and its port now
+                # refuses connections, that peer's process is gone: named. Else (torchrun's
+                # agent, another host) there is no way to tell; the transport decides.
+                return self._store_host_gone()
             last = self.seen.get(r)
             if last is None or last[0] != value:
                 self.seen[r] = (value, now)
@@ -374,6 +434,15 @@ class _Liveness:
                 out.append((last[1], r))
         posted = posted_failure() if out else None
         return [r for _t, r in sorted(out, key=lambda e: (posted is None or e[1] != posted[0], e))]
+
+    def _store_host_gone(self) -> list[int]:
+        host = _store_host_rank()
+        address = _store_address(self.store)
+        if host is None or host not in self.ranks or address is None or not _refuses(address):
+            return []
+        self.verdicts[host] = (f"its process is gone: the process group's store it hosted "
+                               f"({address[0]}:{address[1]}) refuses connections")
+        return [host]
 
     def why(self, rank: int) -> str:
         return self.verdicts.get(rank, "its heartbeat stopped")

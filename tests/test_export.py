@@ -135,6 +135,10 @@ def test_fsdp2_model_exports_what_save_pretrained_writes_and_loads_with_equal_lo
     files = sorted(os.listdir(out))
     shards = [f for f in files if f.endswith(".safetensors")]
     assert "config.json" in files and not any(f.endswith(".tmp") for f in files)
+    # config.json as save_pretrained writes it (architectures and dtype included).
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "ckpt" / name).read_text()) == \
+            json.loads((tmp_path / "reference" / name).read_text()), name
     written, reference = _read_checkpoint(out), _read_checkpoint(reference_dir)
     # Keys, shapes, dtypes and bytes: exactly what save_pretrained wrote.
     assert sorted(written) == sorted(reference)
@@ -903,12 +907,17 @@ def _failing_step(out, where):
 
             export_rounds._prepare_transfer = fail
         elif where == "rename":
-            from distributed_ext import _native
+            # The commit's third rename fails (the earlier entry points are aside by then,
+            # some new files in): the earlier files are put back.
+            real_rename, calls = os.rename, []
 
-            def exchange(a, b):
-                raise OSError(5, "Input/output error", a)
+            def rename(a, b):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise OSError(5, "Input/output error", a)
+                real_rename(a, b)
 
-            _native.exchange_paths = exchange
+            os.rename = rename
     state = _state_of(r)
     model = None
     if where == "config":
@@ -942,66 +951,60 @@ def test_a_failure_on_dst_before_or_in_the_commit_fails_every_rank_and_keeps_the
 def _killed_in_commit(out, when):
     import signal
 
-    from distributed_ext import _native
-
     r = dist.get_rank()
     if r == 0:
-        real_exchange, real_replace = _native.exchange_paths, os.replace
+        real_rename, calls = os.rename, []
 
-        def die():
-            os.kill(os.getpid(), signal.SIGKILL)
+        def rename(a, b):
+            real_rename(a, b)
+            calls.append(b)
+            entry_placed = b == os.path.join(out, E.INDEX_NAME)
+            if (when == "entry-moved-aside" and len(calls) == 1) or \
+                    (when == "mid-renames" and len(calls) == 6) or \
+                    (when == "entry-placed" and entry_placed):
+                os.kill(os.getpid(), signal.SIGKILL)
 
-        if when == "before-swap":
-            _native.exchange_paths = lambda a, b: die()
-        elif when == "after-swap":
-            def exchange(a, b):
-                real_exchange(a, b)
-                die()
-
-            _native.exchange_paths = exchange
-        else:  # no swap on this filesystem: the ordered fallback, killed after one rename
-            _native.exchange_paths = lambda a, b: False
-            calls = []
-
-            def replace(a, b):
-                real_replace(a, b)
-                calls.append(1)
-                if len(calls) == 1:
-                    die()
-
-            os.replace = replace
+        os.rename = rename
     return _outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
 
 
-@pytest.mark.parametrize("when", ["before-swap", "after-swap", "fallback-mid-renames"])
+def _read_indexed(directory):
+    """The tensors the index names (what a loader reads), by key."""
+    from safetensors import safe_open
+
+    index = json.load(open(os.path.join(directory, E.INDEX_NAME)))
+    out = {}
+    for key, name in index["weight_map"].items():
+        with safe_open(os.path.join(directory, name), "pt") as f:
+            out[key] = f.get_tensor(key)
+    return out
+
+
+@pytest.mark.parametrize("when", ["entry-moved-aside", "mid-renames", "entry-placed"])
 def test_dst_killed_in_the_commit_leaves_the_earlier_or_the_new_checkpoint_never_a_mix(
         when, tmp_path):
     out = str(tmp_path / "ckpt")
     _write_earlier(out)
-    before = _snapshot(out)
     res = run_ranks(_killed_in_commit, 2, out, when, pg_timeout=120, timeout=120)
     assert res[0].exit_code == -9, res[0]
     assert res[1].value[0] == "raised" and "rank 0" in res[1].value[2], res[1]
     names = sorted(os.listdir(out))
-    if when == "before-swap":
-        assert _snapshot(out) == before
-    elif when == "after-swap":
-        # The new checkpoint, whole, and the file the user kept there.
-        index = json.load(open(os.path.join(out, E.INDEX_NAME)))
-        assert sorted(index["weight_map"]) == sorted(f"r{r}.w{i}" for r in range(2)
-                                                    for i in range(4))
-        got = _read_checkpoint(out)
+    assert "tokenizer.json" in names  # the user's file, untouched at every instant
+    if when == "entry-placed":
+        # The new checkpoint, whole (stale shards of the earlier one may remain: the
+        # index does not name them).
+        got = _read_indexed(out)
+        assert sorted(got) == sorted(f"r{r}.w{i}" for r in range(2) for i in range(4))
         for r in range(2):
             for i in range(4):
                 assert torch.equal(got[f"r{r}.w{i}"], torch.full((3000,), float(10 * r + i)))
-        assert "tokenizer.json" in names
     else:
-        # Partial: the entry points are gone, so no loader reads a mix (it fails loudly).
+        # Partial: no entry point, so every loader refuses it (it fails loudly).
         assert E.INDEX_NAME not in names and E.WEIGHTS_NAME not in names, names
     # A later export removes what the killed one left (its stage) and publishes whole.
     assert_all_ok(run_ranks(_export_with_args, 2, out, {}))
     assert not [n for n in os.listdir(tmp_path) if n != "ckpt"], os.listdir(tmp_path)
-    assert "tokenizer.json" in os.listdir(out)
+    assert sorted(os.listdir(out)) == [E.WEIGHTS_NAME, "tokenizer.json"]
     got = _read_checkpoint(out)
     assert sorted(got) == sorted(f"r{r}.w{i}" for r in range(2) for i in range(4))
 

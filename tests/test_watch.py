@@ -239,3 +239,64 @@ def test_the_silence_limit_is_checked():
                          text=True, env={**os.environ, "DISTRIBUTED_EXT_SILENT_AFTER_S": "1"})
     assert out.returncode != 0
     assert "DISTRIBUTED_EXT_SILENT_AFTER_S='1'" in out.stderr, out.stderr[-2000:]
+
+
+def _store_host_killed(port, world, where, death_file):
+    """A group on a TCPStore hosted by rank 0 (``tcp://``, as mp.spawn or srun launch it);
+    rank 0 is SIGKILLed mid-call, taking the store with it."""
+    import torch
+
+    import distributed_ext as dx
+
+    rank = int(os.environ["TEST_RANK"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=__import__("datetime").timedelta(
+                                seconds=120))
+
+    def die():
+        with open(death_file, "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    dx.gather_bytes(b"warm", 0)  # the heartbeat and the watch's store client started
+    try:
+        if where == "gather":
+            if rank == 0:
+                threading.Timer(0.5, die).start()
+            dx.gather_bytes(bytes(2**30), 0, chunk_bytes=2**20)
+        else:
+            import distributed_ext.export.sinks as sinks
+
+            if rank == 0:
+                real = sinks.FileSink.write_batch
+
+                def write_batch(self, data, rows):
+                    die()
+                    real(self, data, rows)
+
+                sinks.FileSink.write_batch = write_batch
+            state = {f"r{rank}.w{i}": torch.full((2**16,), float(i)) for i in range(64)}
+            dx.export_hf_checkpoint(state, os.path.join(os.path.dirname(death_file), "ckpt"),
+                                    writers="dst")
+        return ("ok", time.time())
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        return ("raised", time.time(), type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("where", ["gather", "export"])
+def test_the_death_of_the_rank_hosting_the_store_is_named_within_10_s(where, tmp_path):
+    from harness import free_port
+
+    world, death_file = 3, str(tmp_path / "death")
+    res = run_ranks(_store_host_killed, world, free_port(), world, where, death_file,
+                    init=False, timeout=100,
+                    rank_env={r: {"TEST_RANK": str(r)} for r in range(world)})
+    assert res[0].exit_code == -9, res[0]
+    with open(death_file) as f:
+        died = float(f.read())
+    for r in (1, 2):
+        assert not res[r].timed_out, f"rank {r} hung"
+        outcome = res[r].value
+        assert outcome is not None, res[r]
+        assert outcome[0] == "raised" and "rank 0" in outcome[3], outcome
+        assert outcome[1] - died < 10, (r, outcome[1] - died, outcome)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distributed_ext.export.pieces import Entry
+from distributed_ext.export.publish import check_directory
 from distributed_ext.export.rounds import _export
 from distributed_ext.export.safetensors import layout_files, parse_shard_size
 from distributed_ext.export.sinks import FileSink, MemorySink
@@ -135,11 +136,16 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     the group's store, read between messages), so they raise within moments rather than
     after writing their shares (a rank that dies is named at its peers' next wait). Under a
     distributed launch with no process group set up, RuntimeError. The checkpoint is built
-    in a hidden sibling directory and published whole (an atomic
-    ``renameat2(RENAME_EXCHANGE)`` swap; elsewhere an order that makes a partial state fail
-    to load), so a crash at any instant leaves the earlier checkpoint or the new one, never
-    a mix; files of the directory that the checkpoint does not replace are kept; stale shards
-    are gone, as with ``save_pretrained``.
+    in a hidden stage inside the directory and renamed into it in an order that makes a
+    partial state fail to load (the earlier entry points moved aside first, the new one
+    last), so a crash at any instant leaves the earlier checkpoint, the new one, or a
+    directory without an entry point that every loader refuses -- never a mix that loads; a
+    failed commit puts the earlier files back. The directory itself is never replaced or
+    re-permissioned, and nothing in it but the checkpoint's files (shards, index, the
+    configs it writes, stale shards of an earlier checkpoint, as ``save_pretrained``
+    removes them) is touched: subdirectories, mounts, a tokenizer are left as they are. A
+    ``directory`` that cannot take a checkpoint (``""``, a symlink loop, a file, a place
+    that cannot be written) is a ValueError on every rank in the metadata round, naming it.
     See ``docs/checkpoint.md``.
 
     Args:
@@ -169,6 +175,8 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     def check() -> None:
         parse_shard_size(max_shard_size)
         check_writers(writers, what)
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        check_directory(path, what, on_dst=me == dst)
 
     with _cyclic_gc_paused():
         _export(model_or_state, dst, group, make_sink, chunk_bytes, what,

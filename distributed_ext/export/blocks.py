@@ -41,6 +41,8 @@ def _tiles_exactly(blocks: list[Block], shape: tuple[int, ...]) -> bool:
     O(blocks); anything else pairwise."""
     if sum(b.numel for b in blocks) != math.prod(shape):
         return False
+    if math.prod(shape) == 0 and shape:
+        return True  # no elements (a dim of size 0): nothing to tile, every block empty
     if not shape:
         return len(blocks) == 1
     for b in blocks:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
+import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +57,9 @@ def _same_tensor(a: Any, b: Any) -> bool:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
     dtensor = dtensor_type()
-    if dtensor is not None and isinstance(a, dtensor) and isinstance(b, dtensor):
+    if dtensor is not None and (isinstance(a, dtensor) or isinstance(b, dtensor)):
+        if not (isinstance(a, dtensor) and isinstance(b, dtensor)):
+            return False  # a DTensor and a plain tensor: two tensors (an untied pair)
         a, b = a.to_local(), b.to_local()
     return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride() and a.numel() > 0
@@ -99,7 +103,8 @@ class Described:
         assert self.keys is not None and self.sig_ids is not None
         h = hashlib.blake2b(digest_size=16)
         h.update(len(self.keys).to_bytes(8, "little"))
-        h.update("\0".join(self.keys).encode("utf-8", "surrogatepass"))
+        # JSON: unambiguous whatever the keys hold ("a\0b","c" and "a","b\0c" differ).
+        h.update(json.dumps(self.keys, ensure_ascii=False).encode("utf-8", "surrogatepass"))
         h.update(self.sig_ids)
         return Described(None, None, self.signatures, self.plan, self.args, h.digest())
 
@@ -216,6 +221,8 @@ def _describe_dtensor(key: str, t: Any, table: list[Signature]
     codes = tuple(_placement_code(key, p) for p in spec.placements)
     ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
     sig = Signature(_dtype_name(t.dtype), tuple(spec.shape), codes, ranks, tuple(mesh.mesh.shape))
+    if list(ranks) != sorted(ranks):
+        _check_mesh_order(key, sig)
     expected = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[1]
     table.append(sig)
     return len(table) - 1, None if expected is None else torch.Size(expected)
@@ -246,25 +253,79 @@ def _my_global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _mesh_positions(mesh_ranks: tuple[int, ...], mesh_shape: tuple[int, ...]
+                    ) -> list[tuple[list[int], list[int]]]:
+    """Per mesh entry (in the mesh's row-major order): its coordinate, and its position
+    along each mesh dim as torch's collectives see it -- its rank in the process group of
+    that dim, whose members are the dim's slice of the mesh in ascending global rank (the
+    order ``new_group`` keeps). The two differ only where a mesh's ranks are not ascending
+    along a dim (``DeviceMesh("cpu", [1, 0])``); ``full_tensor()`` (and
+    ``distribute_tensor``) then place a shard by its position, so the export does too."""
+    coords = []
+    for i in range(len(mesh_ranks)):
+        coord, rest = [], i
+        for n in reversed(mesh_shape):
+            rest, c = divmod(rest, n)
+            coord.append(c)
+        coords.append(list(reversed(coord)))
+    strides = [math.prod(mesh_shape[d + 1:]) for d in range(len(mesh_shape))]
+    out = []
+    for i, coord in enumerate(coords):
+        position = []
+        for d, n in enumerate(mesh_shape):
+            base = i - coord[d] * strides[d]
+            line = [mesh_ranks[base + k * strides[d]] for k in range(n)]
+            position.append(sorted(line).index(mesh_ranks[i]))
+        out.append((coord, position))
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def _dtensor_blocks(sig: Signature) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
     """Every mesh rank's block of a DTensor (global rank -> (offset, shape)), computed from its
-    global shape, mesh and placements alone -- the same on every rank, nothing exchanged."""
+    global shape, mesh and placements alone -- the same on every rank, nothing exchanged.
+    Placed by each rank's position along the mesh dims (:func:`_mesh_positions`), as
+    ``full_tensor()`` places it."""
+    placements = _torch_placements(sig)
+    out = {}
+    for g, (_coord, position) in zip(sig.mesh_ranks, _mesh_positions(sig.mesh_ranks,
+                                                                     sig.mesh_shape)):
+        out[g] = _block_at(sig, placements, position)
+    return out
+
+
+def _torch_placements(sig: Signature) -> list[Any]:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
     assert sig.placements is not None and sig.mesh_ranks is not None and sig.mesh_shape
-    placements = [Shard(c[1]) if c[0] == "S" else Replicate() for c in sig.placements]
-    out = {}
-    for i, g in enumerate(sig.mesh_ranks):
-        coord, rest = [], i
-        for n in reversed(sig.mesh_shape):
-            rest, c = divmod(rest, n)
-            coord.append(c)
-        shape, offset = _compute_local_shape_and_global_offset(
-            sig.shape, sig.mesh_shape, list(reversed(coord)), placements)
-        out[g] = (tuple(offset), tuple(shape))
-    return out
+    return [Shard(c[1]) if c[0] == "S" else Replicate() for c in sig.placements]
+
+
+def _block_at(sig: Signature, placements: list[Any], coord: list[int]
+              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape, offset = _compute_local_shape_and_global_offset(sig.shape, sig.mesh_shape, coord,
+                                                           placements)
+    return tuple(offset), tuple(shape)
+
+
+def _check_mesh_order(key: str, sig: Signature) -> None:
+    """ValueError where a mesh's ranks are not ascending along a dim AND its shards are
+    uneven there: torch itself then sizes a shard by its coordinate but gathers it by its
+    group rank, so ``full_tensor()`` mixes rows up -- there is no right answer to write."""
+    assert sig.mesh_ranks is not None and sig.mesh_shape is not None
+    placements = _torch_placements(sig)
+    for coord, position in _mesh_positions(sig.mesh_ranks, sig.mesh_shape):
+        if coord != position and _block_at(sig, placements, coord)[1] != \
+                _block_at(sig, placements, position)[1]:
+            raise ValueError(
+                f"state[{key!r}] is a DTensor of shape {list(sig.shape)} sharded unevenly "
+                f"({sig.placements}) on a mesh whose ranks are not ascending "
+                f"({list(sig.mesh_ranks)}, shape {list(sig.mesh_shape)}): torch sizes its "
+                "shards by mesh coordinate but gathers them in group-rank order, so even its "
+                "own full_tensor() is wrong here; build the DeviceMesh with ascending ranks, "
+                "or pad the dim to a multiple of the mesh dim's size")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

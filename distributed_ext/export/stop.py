@@ -20,7 +20,6 @@ another export.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from distributed_ext import _watch
 
@@ -34,27 +33,28 @@ class StopSignal:
     :class:`~distributed_ext._watch.DeferredInterrupts`, whose pending Ctrl-C counts as
     this rank's failure (raised in the agreeing round) and so raises the flag.
 
-    Threads: :meth:`seen` is called by one writing thread at a time on a connection of its
-    own (a clone of the store); :meth:`post` may come from any thread, on another."""
+    Threads: :meth:`seen` is called by one writing thread at a time, :meth:`post` from any
+    thread, both on the watch's own store connection (:func:`_watch.watch_client`, made
+    while the store was alive: never a reconnect to a dead store)."""
 
     def __init__(self, key: str, world: int,
                  interrupts: _watch.DeferredInterrupts | None = None) -> None:
         self.key = f"distributed_ext/export-stop/{key}"
         self._every = max(CHECK_EVERY_S, world / 1000)
         self._interrupts = interrupts
-        self._store: Any = None
         self._seen = self._posted = False
         self._next_check = 0.0
 
     def post(self) -> None:
         """Raises the flag for every rank (best effort: the failure is agreed either way)."""
         self._seen = True
-        store = _watch._default_store()
-        if store is None or self._posted:
+        if self._posted:
             return
         self._posted = True
         try:
-            _watch._clone(store).set(self.key, "1")
+            store = _watch.watch_client()
+            if store is not None:
+                store.set(self.key, "1")
         except Exception:  # noqa: BLE001 - the agreeing round still raises everywhere
             pass
 
@@ -70,12 +70,10 @@ class StopSignal:
             return False
         self._next_check = now + self._every
         try:
-            if self._store is None:
-                store = _watch._default_store()
-                if store is None:
-                    return False
-                self._store = _watch._clone(store)
-            self._seen = bool(self._store.check([self.key]))
+            store = _watch.watch_client()
+            if store is None:
+                return False
+            self._seen = bool(store.check([self.key]))
         except Exception:  # noqa: BLE001 - a store gone: the agreeing round decides
             return False
         return self._seen

@@ -1,0 +1,272 @@
+"""Publishing a checkpoint (distributed_ext/export/publish.py): the user's directory and what
+it holds are never replaced, re-created, re-permissioned or descended through; a crash at any
+instant leaves the earlier checkpoint, the new one or a directory every loader refuses; bad
+directories are refused on every rank, naming the argument."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import assert_all_ok, run_ranks
+
+import distributed_ext as dx
+from distributed_ext import export as E
+from distributed_ext.export import publish
+
+pytest.importorskip("transformers", reason="the publish tests load checkpoints with transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
+
+_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def _tiny(seed):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**_TINY))
+
+
+def _outcome(call):
+    try:
+        call()
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return ("raised", type(exc).__name__, str(exc))
+
+
+class _Crash(BaseException):
+    """Stands for SIGKILL in one process: nothing after it runs (cleanup patched away)."""
+
+
+def _loads_as(directory, models):
+    """Which of ``models`` (name -> state dict) ``from_pretrained(directory)`` gives, or
+    "refused" where it raises; AssertionError for a mix of them."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        # Refused for what is missing (the weights' entry point, or config.json), never for
+        # a file that is there but wrong.
+        assert any(w in str(exc) for w in ("model.safetensors", "no file named",
+                                           "config.json")), exc
+        return "refused"
+    got = loaded.state_dict()
+    for name, state in models.items():
+        if all(torch.equal(got[k], v) for k, v in state.items() if k in got):
+            return name
+    raise AssertionError(f"{directory} loads as a mix of the checkpoints")
+
+
+@pytest.mark.parametrize("earlier_shards", ["20KB", "5GB"])
+def test_a_crash_at_every_instant_of_the_publish_leaves_earlier_new_or_refused(
+        earlier_shards, tmp_path, monkeypatch):
+    out = str(tmp_path / "ckpt")
+    earlier, new = _tiny(1), _tiny(2)
+    states = {"earlier": {k: v.clone() for k, v in earlier.state_dict().items()},
+              "new": {k: v.clone() for k, v in new.state_dict().items()}}
+    seen, k = [], 0
+    while True:
+        if os.path.exists(out):
+            subprocess.run(["rm", "-rf", out], check=True)
+        earlier.save_pretrained(out, max_shard_size=earlier_shards)  # the reference writer
+        with open(os.path.join(out, "tokenizer.json"), "w") as f:
+            f.write("{}")
+        real_rename, calls = os.rename, []
+
+        def rename(a, b, real_rename=real_rename, calls=calls, k=k):
+            if len(calls) == k:
+                raise _Crash
+            real_rename(a, b)
+            calls.append(b)
+
+        with monkeypatch.context() as m:
+            m.setattr(os, "rename", rename)
+            m.setattr(publish.Stage, "abort", lambda self: None)  # a crash cleans nothing
+            m.setattr(publish.Stage, "_put_back", lambda self, *a: None)
+            try:
+                dx.export_hf_checkpoint(new, out, max_shard_size="30KB")
+                crashed = False
+            except _Crash:
+                crashed = True
+        state = _loads_as(out, states)
+        assert "tokenizer.json" in os.listdir(out)
+        seen.append(state)
+        if not crashed:
+            break
+        k += 1
+    # Every instant: first the earlier checkpoint, then refused, then the new one.
+    assert seen[0] == "earlier" and seen[-1] == "new", seen
+    assert "refused" in seen, seen
+    order = {"earlier": 0, "refused": 1, "new": 2}
+    assert [order[s] for s in seen] == sorted(order[s] for s in seen), seen
+    assert k >= 4, seen  # the renames were really crashed one by one
+
+
+def _export_tiny(out, seed=2, **kwargs):
+    model = _tiny(seed)
+    return _outcome(lambda: dx.export_hf_checkpoint(model, out, **kwargs))
+
+
+def test_a_failed_publish_puts_the_earlier_checkpoint_back(tmp_path, monkeypatch):
+    out = str(tmp_path / "ckpt")
+    _tiny(1).save_pretrained(out, max_shard_size="20KB")
+    before = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
+    real_rename, calls = os.rename, []
+
+    def rename(a, b):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device", a)
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="No space left"):
+        dx.export_hf_checkpoint(_tiny(2), out, max_shard_size="30KB")
+    monkeypatch.undo()
+    assert {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)} == before
+
+
+def test_files_written_into_a_subdirectory_during_three_publishes_are_all_kept(tmp_path):
+    out = tmp_path / "ckpt"
+    logs = out / "logs"
+    logs.mkdir(parents=True)
+    stop, written = threading.Event(), []
+
+    def logger():
+        i = 0
+        while not stop.is_set():
+            path = logs / f"event.{i}"
+            path.write_text(str(i))
+            written.append(path.name)
+            i += 1
+
+    thread = threading.Thread(target=logger)
+    thread.start()
+    try:
+        for seed in range(3):
+            assert _export_tiny(str(out), seed=seed, max_shard_size="30KB") == ("ok",)
+    finally:
+        stop.set()
+        thread.join()
+    assert len(written) > 10
+    assert sorted(os.listdir(logs)) == sorted(written)  # 0 files lost
+    assert all((logs / n).read_text() == n.split(".")[1] for n in written)
+
+
+def test_a_filesystem_mounted_inside_the_directory_is_never_touched(tmp_path):
+    out = tmp_path / "ckpt"
+    data = out / "data"
+    data.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(data)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not allowed here: {mounted.stderr.strip()}")
+    try:
+        (data / "shard.bin").write_bytes(b"x" * 1000)
+        # Also an old sibling stage (of versions that staged beside the directory) with a
+        # mount inside: removed around the mount, never through it.
+        for seed in range(2):
+            assert _export_tiny(str(out), seed=seed) == ("ok",)
+        assert (data / "shard.bin").read_bytes() == b"x" * 1000
+        assert os.path.ismount(data)
+        assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no stage left anywhere
+        assert not [n for n in os.listdir(out) if n.startswith(".")]
+        old_stage = tmp_path / ".ckpt.dext-export-feed"
+        (old_stage / "m").mkdir(parents=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                        str(old_stage / "m")], check=True)
+        try:
+            (old_stage / "m" / "keep").write_text("k")
+            (old_stage / "model.safetensors").write_text("stale")
+            assert _export_tiny(str(out)) == ("ok",)
+            assert (old_stage / "m" / "keep").read_text() == "k"  # not descended into
+            assert not (old_stage / "model.safetensors").exists()
+        finally:
+            subprocess.run(["umount", str(old_stage / "m")], check=True)
+    finally:
+        subprocess.run(["umount", str(data)], check=True)
+
+
+@pytest.mark.parametrize("mode", [0o700, 0o2770, 0o1777])
+def test_the_directory_and_its_subdirectories_keep_their_modes(mode, tmp_path):
+    out = tmp_path / "ckpt"
+    (out / "sub").mkdir(parents=True)
+    os.chmod(out, mode)
+    os.chmod(out / "sub", mode)
+    ino = os.stat(out).st_ino
+    for seed in range(2):
+        assert _export_tiny(str(out), seed=seed) == ("ok",)
+    assert stat.S_IMODE(os.stat(out).st_mode) == mode
+    assert stat.S_IMODE(os.stat(out / "sub").st_mode) == mode
+    assert os.stat(out).st_ino == ino  # the same directory, not a new one in its place
+
+
+def _export_into_cwd(cwd, directory):
+    os.chdir(cwd)
+    state = {f"r{dist.get_rank()}": torch.ones(4)}
+    res = _outcome(lambda: dx.export_hf_checkpoint(state, directory))
+    return res + (os.getcwd(),)
+
+
+def test_a_scratch_directory_exported_into_as_dot_keeps_its_mode(tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)
+    values = assert_all_ok(run_ranks(_export_into_cwd, 2, str(scratch), "."))
+    assert all(v[0] == "ok" and v[-1] == str(scratch) for v in values), values
+    assert stat.S_IMODE(os.stat(scratch).st_mode) == 0o1777
+    assert sorted(os.listdir(scratch)) == [E.WEIGHTS_NAME]
+
+
+def test_the_empty_string_is_refused_on_every_rank_and_the_cwd_is_kept(tmp_path):
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    (cwd / "config.json").write_text("{}")
+    values = assert_all_ok(run_ranks(_export_into_cwd, 2, str(cwd), ""))
+    for v in values:
+        assert v[:2] == ("raised", "ValueError") and "directory=''" in v[2], v
+        assert v[-1] == str(cwd)
+    assert sorted(os.listdir(cwd)) == ["config.json"]
+
+
+def test_a_directory_name_of_255_bytes_is_written(tmp_path):
+    out = tmp_path / ("d" * 255)
+    assert _export_tiny(str(out)) == ("ok",)
+    assert "model.safetensors" in os.listdir(out)
+    assert sorted(os.listdir(tmp_path)) == ["d" * 255]
+
+
+def _export_to(directory):
+    state = {f"r{dist.get_rank()}": torch.ones(1000)}
+    return _outcome(lambda: dx.export_hf_checkpoint(state, directory))
+
+
+@pytest.mark.parametrize("kind", ["loop", "under-loop", "dangling", "file", "proc", "sys"])
+def test_a_directory_that_cannot_take_a_checkpoint_is_refused_on_every_rank(kind, tmp_path):
+    target = {"loop": tmp_path / "a", "under-loop": tmp_path / "a" / "sub",
+              "dangling": tmp_path / "gone", "file": tmp_path / "f",
+              "proc": "/proc/out", "sys": "/sys/out"}[kind]
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    os.symlink(tmp_path / "nowhere", tmp_path / "gone")
+    (tmp_path / "f").write_text("x")
+    before = sorted(os.listdir(tmp_path))
+    values = assert_all_ok(run_ranks(_export_to, 2, str(target)))
+    why = {"loop": "symbolic link loop", "under-loop": "symbolic link loop",
+           "dangling": "missing path", "file": "not a directory", "proc": "cannot be written",
+           "sys": "cannot be written"}[kind]
+    # dst raises the ValueError in the metadata round (before any byte moves), every peer
+    # a RuntimeError naming it.
+    assert values[0][:2] == ("raised", "ValueError"), values[0]
+    assert f"directory={str(target)!r}" in values[0][2] and why in values[0][2], values[0]
+    assert values[1][:2] == ("raised", "RuntimeError"), values[1]
+    assert "metadata" in values[1][2] and "rank 0 failed with ValueError" in values[1][2]
+    assert sorted(os.listdir(tmp_path)) == before
