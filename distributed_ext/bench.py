@@ -118,6 +118,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.world < 2:
         ap.error(f"--world must be at least 2 (rank 0 gathers from the others), got "
                  f"{args.world}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        ap.error(f"--timeout must be a positive, finite number of seconds, got "
+                 f"{args.timeout:g}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib: pip install 'distributed_ext[plot]' (or "
+                     "pip install matplotlib)")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        # Checked before the run: a figure file that cannot be written loses the whole run.
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            ap.error(f"{flag} {path}: the directory {folder!r} does not exist or is not "
+                     "writable; create it first or pass another path")
     if args.from_json:
         if not os.path.isfile(args.from_json):
             ap.error(f"--from-json {args.from_json}: no such file (write one with --json PATH)")
@@ -130,12 +145,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ImportError:
             ap.error("the torch baseline (dist.gather_object) needs numpy: pip install "
                      "'distributed_ext[bench]' (or numpy), or pass --no-baseline")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            ap.error("--plot needs matplotlib: pip install 'distributed_ext[plot]' (or "
-                     "pip install matplotlib)")
     if args.workload == "export":
         missing = [m for m in ("transformers", "safetensors") if not _importable(m)]
         if missing:

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from distributed_ext import runtime
@@ -214,6 +215,15 @@ def fsdp2_wrap(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    if not (dist.is_available() and dist.is_initialized()):
+        # fully_shard would build a default mesh from the launch's environment and fail
+        # inside torch ("environment variable RANK expected").
+        raise RuntimeError(
+            "fsdp2_wrap: no process group is set up; call it inside `with "
+            "distributed_ext.distributed_run():` under torchrun (it sets the group up), or "
+            "set one up first with torch.distributed.init_process_group(...) -- for a "
+            "single process a one-rank group: init_process_group('gloo', "
+            "init_method='tcp://127.0.0.1:29500', rank=0, world_size=1)")
     found = resolve_decoder_layers(model, layers)
     ignored = _off_dtype_params(model)  # warns once, on the master rank, naming them
     device = _compute_device()

@@ -10,6 +10,7 @@ import datetime
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NoReturn
@@ -176,7 +177,9 @@ def distributed_run(
     ``device`` may be ``"cuda"`` (the default, which has nothing to bind) or ``"cpu"``. Either
     way this rank's liveness heartbeat starts with the group (see
     :mod:`distributed_ext._watch`), so a rank that dies is named by its peers even before
-    its first collective. Without a launch it sets nothing up and the state is on ``device``.
+    its first collective. Without a launch it sets nothing up and the state is on ``device``
+    -- except a CUDA device where torch sees no GPU: the state is then on the CPU, with a
+    warning that says so (pass ``device="cpu"`` for a CPU run).
     The state's rank and size are always the live group's: rank 0 of a run of one
     for a single process, and this rank's place in a group the caller set up.
 
@@ -222,6 +225,14 @@ def distributed_run(
         _watch.ensure_heartbeat()
     else:
         run_device = device
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            # A single process on a machine (or a torch build) without GPUs: a CPU run, as
+            # on a launch without GPUs -- not a state whose first tensor fails.
+            warnings.warn(
+                f"distributed_run: device={str(device)!r}, but torch sees no GPU here (a "
+                "CPU build of torch, or no GPU); the state is on the CPU. Pass "
+                "device='cpu' to say so (and silence this)", stacklevel=3)
+            run_device = torch.device("cpu")
     try:
         state = DistributedState(rank=rank(), world_size=size(), device=run_device)
         yield state

@@ -58,6 +58,31 @@ def test_parse_args_defaults_and_errors(capsys):
         assert text in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad, text", [
+    (["--timeout", "0"], "--timeout must be a positive"),
+    (["--timeout", "-5"], "--timeout must be a positive"),
+    (["--timeout", "nan"], "--timeout must be a positive"),
+    (["--timeout", "inf"], "--timeout must be a positive"),
+    (["--json", "/nonexistent-dir/out.json"], "--json /nonexistent-dir/out.json: the directory"),
+    (["--plot", "/nonexistent-dir/p.png"], "--plot /nonexistent-dir/p.png: the directory"),
+])
+def test_arguments_that_would_fail_after_the_run_are_refused_before_it(bad, text, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.parse_args(bad)
+    assert info.value.code == 2 and text in capsys.readouterr().err
+
+
+def test_plot_from_a_saved_run_without_matplotlib_says_what_to_install(tmp_path, capsys,
+                                                                       monkeypatch):
+    saved = tmp_path / "run.json"
+    saved.write_text("{}")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit) as info:
+        bench.parse_args(["--from-json", str(saved), "--plot", str(tmp_path / "p.png")])
+    assert info.value.code == 2
+    assert "pip install 'distributed_ext[plot]'" in capsys.readouterr().err
+
+
 def test_plot_needs_matplotlib(tmp_path, capsys):
     try:
         import matplotlib  # noqa: F401

@@ -270,3 +270,19 @@ def test_a_directory_that_cannot_take_a_checkpoint_is_refused_on_every_rank(kind
     assert values[1][:2] == ("raised", "RuntimeError"), values[1]
     assert "metadata" in values[1][2] and "rank 0 failed with ValueError" in values[1][2]
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_config_json_is_what_save_pretrained_writes_for_a_config_built_model(tmp_path):
+    import json
+
+    model = _tiny(3).to(torch.bfloat16)
+    assert model.config.architectures is None  # built from a config
+    dx.export_hf_checkpoint(model, str(tmp_path / "ckpt"))
+    assert model.config.architectures is None  # the model's own config left as it was
+    model.save_pretrained(str(tmp_path / "reference"))
+    for name in ("config.json", "generation_config.json"):
+        ours = json.loads((tmp_path / "ckpt" / name).read_text())
+        theirs = json.loads((tmp_path / "reference" / name).read_text())
+        assert ours == theirs, name
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLM"]

@@ -214,3 +214,30 @@ def _abort_with_code():
 def test_abort_prints_traceback_and_exits_with_code():
     res = run_ranks(_abort_with_code, 1, init=False)
     assert res[0].exit_code == 7 and "KeyError: 'why we abort'" in res[0].output
+
+
+def test_a_single_process_without_a_gpu_runs_on_the_cpu_and_says_so(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(UserWarning, match="device='cpu'"):
+        with dx.distributed_run() as state:
+            t = torch.ones(2, device=state.device)  # the README's snippet's first tensor
+    assert state.device == torch.device("cpu") and t.device.type == "cpu"
+    assert (state.rank, state.world_size) == (0, 1)
+
+
+def test_fsdp2_wrap_without_a_process_group_says_how_to_set_one_up(monkeypatch):
+    import torch.distributed as dist
+
+    transformers = pytest.importorskip("transformers")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(RuntimeError, match="no process group is set up") as info:
+        dx.fsdp2_wrap(model)
+    assert "distributed_run" in str(info.value) and "init_process_group" in str(info.value)
+    assert not dx.is_fsdp2_model(model)  # nothing was wrapped

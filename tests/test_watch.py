@@ -300,3 +300,41 @@ def test_the_death_of_the_rank_hosting_the_store_is_named_within_10_s(where, tmp
         assert outcome is not None, res[r]
         assert outcome[0] == "raised" and "rank 0" in outcome[3], outcome
         assert outcome[1] - died < 10, (r, outcome[1] - died, outcome)
+
+
+def _endpoint_address():
+    import socket
+
+    import distributed_ext as dx
+
+    dx.gather_bytes(b"x", 0)  # starts the heartbeat and the endpoint
+    store = _watch._default_store()
+    where = store.get(_watch._WHERE_KEY + str(dist.get_rank())).decode().split()
+    port = int(where[1])
+    # Where else this host can be reached: its outward address (a UDP connect sends nothing).
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 9))
+            outward = probe.getsockname()[0]
+        except OSError:
+            outward = None
+    reached = {}
+    for address in ("127.0.0.1", outward):
+        if address is None or address.startswith("127."):
+            continue
+        try:
+            socket.create_connection((address, port), timeout=1.0).close()
+            reached[address] = True
+        except OSError:
+            reached[address] = False
+    return where[0], port, reached
+
+
+def test_the_liveness_endpoint_listens_only_where_its_peers_reach_it():
+    values = assert_all_ok(run_ranks(_endpoint_address, 2))
+    for published, _port, reached in values:
+        # One host: the peers reach each other on loopback, so it listens there alone.
+        assert published == "127.0.0.1", values
+        if not reached:
+            pytest.skip("this host has no address but loopback to try the endpoint on")
+        assert not any(reached.values()), reached  # refused on every other interface
