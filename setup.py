@@ -71,7 +71,18 @@ def resolve_extension():
     return ext
 
 
+class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension with ninja, compiling into a folder of the checkout that
+    outlives pip's temporary one: a second ``pip install -e .`` (the README's second command
+    in the same venv) then recompiles only what changed, instead of every source again."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        tag = f"{sys.implementation.cache_tag}-torch{torch.__version__}"
+        self.build_temp = os.path.join(HERE, "build", f"temp-{tag}")
+
+
 setup(
     ext_modules=[resolve_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt},
 )

@@ -88,12 +88,12 @@ void populate(char* data, int64_t nbytes) {
 // pages run at ~1-2 GB/s on a small VM, slower than the link, and a receive pays them all.
 // With `prefault`, the pages are faulted in here, in parallel (measured on the 2-core VM:
 // 256 MiB in 0.024 s, against ~0.15 s of faults taken one by one inside a receive).
-pybind11::object empty_bytearray(int64_t nbytes, bool prefault) {
+pybind11::object empty_bytearray(int64_t nbytes, bool prefault, bool huge_pages) {
   TORCH_CHECK_VALUE(nbytes >= 0, "empty_bytearray: negative size ", nbytes);
   PyObject* obj = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(nbytes));
   if (obj == nullptr) throw pybind11::error_already_set();
   char* data = PyByteArray_AS_STRING(obj);
-  advise_huge_pages(data, nbytes);
+  if (huge_pages) advise_huge_pages(data, nbytes);
   if (prefault && nbytes > 0) {
     pybind11::gil_scoped_release no_gil;
     populate(data, nbytes);
@@ -121,7 +121,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("src_ptr"), pybind11::arg("nbytes"),
         "Copy nbytes between raw host pointers; GIL released.");
   m.def("empty_bytearray", &empty_bytearray, pybind11::arg("nbytes"),
-        pybind11::arg("prefault") = false,
+        pybind11::arg("prefault") = false, pybind11::arg("huge_pages") = true,
         "A bytearray of nbytes, contents uninitialized (the caller fills every byte).");
   m.def("start_heartbeat", &distributed_ext::start_heartbeat, pybind11::arg("store"),
         pybind11::arg("client"), pybind11::arg("key"), pybind11::arg("interval_ms"),

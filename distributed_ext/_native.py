@@ -161,16 +161,17 @@ def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
     _C.copy_bytes(dst_ptr, src_ptr, nbytes)
 
 
-def empty_bytearray(nbytes: int, prefault: bool = False) -> bytearray:
+def empty_bytearray(nbytes: int, prefault: bool = False, huge_pages: bool = True) -> bytearray:
     """A bytearray of ``nbytes`` whose contents are uninitialized; fill every byte before use.
 
     With ``prefault``, its pages are faulted in now by several threads (the GIL released), so
-    that a receive writing into it later does not stall on page faults.
+    that a receive writing into it later does not stall on page faults. With ``huge_pages``
+    (from 4 MiB) the kernel is advised to back it with transparent huge pages.
 
     Raises MemoryError if it cannot be allocated.
     """
     try:
-        return _C.empty_bytearray(nbytes, prefault)
+        return _C.empty_bytearray(nbytes, prefault, huge_pages)
     except MemoryError:
         raise MemoryError(f"cannot allocate a bytearray of {nbytes} bytes") from None
 

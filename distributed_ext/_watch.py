@@ -10,9 +10,13 @@ the calling thread watches:
   still beats), through its own clone of the store (``Store.clone()``: a connection of its
   own, so a thread of the rank blocked in a store call -- ``new_group`` waiting for a late
   peer -- cannot hold the beat up). Every rank also listens on a liveness endpoint, a TCP
-  port that only the kernel answers (no data ever crosses it), published in the store. A
-  wait that lasts longer than ``GRACE_S`` reads its peers' counters every ``CHECK_EVERY_S``,
-  through a clone of its own. The rule:
+  port that only the kernel answers (no data ever crosses it), bound to the address its
+  peers reach this host at (never every interface), published in the store. A wait that
+  lasts longer than ``GRACE_S`` reads its peers' counters every ``CHECK_EVERY_S``, through
+  the watch's own store connection (:func:`watch_client`), made while the store was alive:
+  where the rank hosting the store dies (rank 0 under ``tcp://``/``env://`` without
+  torchrun), a fresh clone would keep reconnecting until the group's timeout; instead the
+  store's refused port names that rank. The rule:
 
   * a peer whose counter has not moved for ``GONE_AFTER_S`` (1.5 s) and whose endpoint is
     closed or refuses a connection is **gone** (its process exited: a crash, SIGKILL, an

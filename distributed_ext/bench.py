@@ -485,10 +485,11 @@ def _call(workload: str, method: str, data: Any, rank: int, world: int, dst: int
             dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=dst)
         return True
     if method == "first-touch floor":
-        from distributed_ext import _native
+        from distributed_ext.gather import allocate_outputs
 
-        if rank == dst:  # allocate dst's outputs fresh and write every page once
-            outs = [_native.empty_bytearray(len(data)) for _ in range(world)]
+        if rank == dst:  # allocate dst's outputs fresh, as gather_bytes does, and write
+            # every page once
+            outs = allocate_outputs([len(data)] * world, rank)
             for o in outs:
                 torch.frombuffer(o, dtype=torch.uint8).fill_(1)
         return True

@@ -10,6 +10,7 @@ FSDP2 rejects a group that mixes dtypes; they stay replicated on the compute dev
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import Counter
 from collections.abc import Sequence
@@ -215,9 +216,10 @@ def fsdp2_wrap(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    if not (dist.is_available() and dist.is_initialized()):
-        # fully_shard would build a default mesh from the launch's environment and fail
-        # inside torch ("environment variable RANK expected").
+    if not (dist.is_available() and dist.is_initialized()) and "RANK" not in os.environ:
+        # fully_shard would build a default group from the launch's environment (as torch
+        # does under torchrun) and, with none, fail inside torch ("environment variable
+        # RANK expected").
         raise RuntimeError(
             "fsdp2_wrap: no process group is set up; call it inside `with "
             "distributed_ext.distributed_run():` under torchrun (it sets the group up), or "

@@ -236,10 +236,20 @@ def test_mp_policy_is_passed_through():
         assert ok and finite
 
 
-def test_cpu_offload_and_ignored_params_are_passed_through(monkeypatch):
-    # FSDP2's CPU offload needs an accelerator, so record what fully_shard is handed instead.
+def test_cpu_offload_and_ignored_params_are_passed_through(monkeypatch, tmp_path):
+    # FSDP2's CPU offload needs an accelerator, so record what fully_shard is handed instead
+    # (in a one-rank group: fsdp2_wrap refuses to run without one).
     import torch.distributed.fsdp as fsdp
 
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        _check_passed_through(monkeypatch, fsdp)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_passed_through(monkeypatch, fsdp):
     calls = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: calls.append((module, kw)))
     model = build("llama").to(torch.bfloat16)

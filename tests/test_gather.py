@@ -209,7 +209,7 @@ def _oom_on_dst():
 
     real = native.empty_bytearray
 
-    def failing(n, prefault=False):
+    def failing(n, prefault=False, huge_pages=True):
         raise MemoryError(f"cannot allocate a bytearray of {n} bytes")
 
     if dist.get_rank() == 0:

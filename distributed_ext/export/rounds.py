@@ -14,7 +14,7 @@
    :class:`~distributed_ext.DistributionPlan` is checked against what the ranks hold), and
    an agreed error for keys whose ranks disagree on dtype or shape, whose blocks do not cover
    the tensor, or whose conversion cannot be streamed.
-3. Preparing round: dst makes the files in a hidden stage beside the directory (or
+3. Preparing round: dst makes the files in a hidden stage inside the directory (or
    allocates the full tensors); a failure raises on every rank. With ``writers="all"``
    (:mod:`.writers`) every rank then opens them to write its own long runs itself, and
    the ranks agree who writes each block their runs share (:mod:`.edges`: the blocks dealt
