@@ -22,8 +22,8 @@ from typing import Any
 from distributed_ext._spawn import RankOutcome as RankResult
 from distributed_ext._spawn import run_local
 
-__all__ = ["REPO", "RankResult", "assert_all_ok", "free_port", "nccl_group_of_one", "read_rss",
-           "run_command", "run_ranks", "run_torchrun"]
+__all__ = ["REPO", "RankResult", "assert_all_ok", "free_port", "nccl_group_of_one", "outcome",
+           "read_rss", "rename_failing_at", "run_command", "run_ranks", "run_torchrun"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,6 +47,29 @@ def nccl_group_of_one(path: str) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def outcome(call: Any) -> tuple:
+    """``("ok",)``, or ``("raised", type name, message)`` of what ``call()`` raised here (a
+    rank's result the test asserts on)."""
+    try:
+        call()
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return ("raised", type(exc).__name__, str(exc))
+
+
+def rename_failing_at(n: int, error: OSError) -> Any:
+    """A stand-in for ``os.rename`` whose ``n``-th call raises ``error`` (the others rename)."""
+    real, calls = os.rename, []
+
+    def rename(a: Any, b: Any) -> None:
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        real(a, b)
+
+    return rename
 
 
 def read_rss() -> int:

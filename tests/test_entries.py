@@ -10,20 +10,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_all_ok, run_ranks
+from harness import assert_all_ok, outcome, run_ranks
 
 import distributed_ext as dx
 
 pytest.importorskip("transformers", reason="the export tests build Hugging Face models")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
-
-
-def _outcome(call):
-    try:
-        call()
-        return ("ok",)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return ("raised", type(exc).__name__, str(exc))
 
 
 def _read(directory):
@@ -68,7 +60,7 @@ def _export_permuted_uneven(out):
 
     mesh = DeviceMesh("cpu", [1, 0])
     dt = distribute_tensor(torch.randn(3, 4), mesh, [Shard(0)])
-    return _outcome(lambda: dx.export_hf_checkpoint({"w": dt}, out))
+    return outcome(lambda: dx.export_hf_checkpoint({"w": dt}, out))
 
 
 def test_uneven_shards_on_a_mesh_whose_ranks_are_not_ascending_are_refused(tmp_path):

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_all_ok, read_rss, run_ranks
+from harness import assert_all_ok, outcome, read_rss, rename_failing_at, run_ranks
 
 import distributed_ext as dx
 from distributed_ext import export as E
@@ -62,15 +62,6 @@ def build(family: str, seed: int = 0):
 
 def _input():
     return torch.randint(0, 130, (2, 8), generator=torch.Generator().manual_seed(1))
-
-
-def _outcome(call):
-    """``("ok",)``, or ``("raised", type name, message)`` of what ``call()`` raised here."""
-    try:
-        call()
-        return ("ok",)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return ("raised", type(exc).__name__, str(exc))
 
 
 def _train_step(model):
@@ -455,7 +446,7 @@ def _bad_entry(out, kind):
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         state = {"w": DTensor.from_local(torch.ones(3), mesh, [Partial()])}
-    return _outcome(lambda: dx.export_hf_checkpoint(state, out))
+    return outcome(lambda: dx.export_hf_checkpoint(state, out))
 
 
 @pytest.mark.parametrize("kind, own, text", [
@@ -871,7 +862,7 @@ def _hook_raises_on_one_rank(out):
             raise RuntimeError("a state-dict hook failed on this rank")
 
         model._register_state_dict_hook(hook)
-    return _outcome(lambda: dx.export_hf_checkpoint(model, out))
+    return outcome(lambda: dx.export_hf_checkpoint(model, out))
 
 
 def test_a_state_dict_hook_raising_on_one_rank_fails_every_rank(tmp_path):
@@ -910,15 +901,7 @@ def _failing_step(out, where):
         elif where == "rename":
             # The commit's third rename fails (the earlier entry points are aside by then,
             # some new files in): the earlier files are put back.
-            real_rename, calls = os.rename, []
-
-            def rename(a, b):
-                calls.append(1)
-                if len(calls) == 3:
-                    raise OSError(5, "Input/output error", a)
-                real_rename(a, b)
-
-            os.rename = rename
+            os.rename = rename_failing_at(3, OSError(5, "Input/output error"))
     state = _state_of(r)
     model = None
     if where == "config":
@@ -927,7 +910,7 @@ def _failing_step(out, where):
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
         model.config.quantizer = object()  # what quantization tools attach: not JSON
         state = model
-    return _outcome(lambda: dx.export_hf_checkpoint(state, out, max_shard_size="20KB"))
+    return outcome(lambda: dx.export_hf_checkpoint(state, out, max_shard_size="20KB"))
 
 
 @pytest.mark.parametrize("where, text", [
@@ -966,7 +949,7 @@ def _killed_in_commit(out, when):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         os.rename = rename
-    return _outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
+    return outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
 
 
 def _read_indexed(directory):
@@ -1024,7 +1007,7 @@ def test_stale_temporary_files_of_a_crashed_export_are_removed(tmp_path):
 
 
 def _no_group_under_a_launch(out):
-    return _outcome(lambda: dx.export_hf_checkpoint({"w": torch.ones(3)}, out))
+    return outcome(lambda: dx.export_hf_checkpoint({"w": torch.ones(3)}, out))
 
 
 def test_a_launch_without_a_process_group_is_refused(tmp_path):
@@ -1067,7 +1050,7 @@ def _bad_key(out, kind):
         state["w\udc80"] = torch.ones(2)
     else:  # a lazily conjugated view: its memory is not what it reads as
         state["c"] = torch.ones(2, dtype=torch.complex64).mul(1 + 1j).conj()
-    return _outcome(lambda: dx.export_hf_checkpoint(state, out))
+    return outcome(lambda: dx.export_hf_checkpoint(state, out))
 
 
 @pytest.mark.parametrize("kind, text", [
@@ -1221,15 +1204,15 @@ def test_ctrl_c_on_dst_in_the_transfer_or_the_commit_fails_every_rank_alike(wher
     values = assert_all_ok(run_ranks(_interrupted_on_dst, 3, out, where, pg_timeout=120,
                                      timeout=120))
     for r, outcomes in enumerate(values):
-        for i, (outcome, after, _snap) in enumerate(outcomes):
+        for i, (got, after, _snap) in enumerate(outcomes):
             assert after == 3, (r, i, after)  # every rank joined the next collective
             if i > 0:
-                assert outcome == ("ok",), (r, i, outcome)  # the patch fires once
+                assert got == ("ok",), (r, i, got)  # the patch fires once
             elif r == 0:
-                assert outcome[:2] == ("raised", "KeyboardInterrupt"), outcome
+                assert got[:2] == ("raised", "KeyboardInterrupt"), got
             else:
-                assert outcome[:2] == ("raised", "RuntimeError"), outcome
-                assert "rank 0 failed with KeyboardInterrupt" in outcome[2], outcome
+                assert got[:2] == ("raised", "RuntimeError"), got
+                assert "rank 0 failed with KeyboardInterrupt" in got[2], got
     after_first = values[0][0][2]
     if where != "transfer":  # in the commit: deferred until it ended, published, then raised
         index = json.loads(after_first[E.INDEX_NAME])
@@ -1251,7 +1234,7 @@ def _peer_dies_after_the_data(out):
             os.kill(os.getpid(), signal.SIGKILL)
 
         export_rounds._commit_round = die  # every byte has arrived; rank 1 dies before the commit round
-    return _outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
+    return outcome(lambda: dx.export_hf_checkpoint(_state_of(r), out, max_shard_size="20KB"))
 
 
 def test_a_peer_dying_after_the_data_is_named_and_the_checkpoint_is_complete(tmp_path):

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_all_ok, run_ranks
+from harness import assert_all_ok, outcome, rename_failing_at, run_ranks
 
 import distributed_ext as dx
 from distributed_ext import export as E
@@ -31,14 +31,6 @@ def _tiny(seed):
 
     torch.manual_seed(seed)
     return tf.LlamaForCausalLM(tf.LlamaConfig(**_TINY))
-
-
-def _outcome(call):
-    try:
-        call()
-        return ("ok",)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return ("raised", type(exc).__name__, str(exc))
 
 
 class _Crash(BaseException):
@@ -112,22 +104,14 @@ def test_a_crash_at_every_instant_of_the_publish_leaves_earlier_new_or_refused(
 
 def _export_tiny(out, seed=2, **kwargs):
     model = _tiny(seed)
-    return _outcome(lambda: dx.export_hf_checkpoint(model, out, **kwargs))
+    return outcome(lambda: dx.export_hf_checkpoint(model, out, **kwargs))
 
 
 def test_a_failed_publish_puts_the_earlier_checkpoint_back(tmp_path, monkeypatch):
     out = str(tmp_path / "ckpt")
     _tiny(1).save_pretrained(out, max_shard_size="20KB")
     before = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
-    real_rename, calls = os.rename, []
-
-    def rename(a, b):
-        calls.append(1)
-        if len(calls) == 5:
-            raise OSError(28, "No space left on device", a)
-        real_rename(a, b)
-
-    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "rename", rename_failing_at(5, OSError(28, "No space left on device")))
     with pytest.raises(OSError, match="No space left"):
         dx.export_hf_checkpoint(_tiny(2), out, max_shard_size="30KB")
     monkeypatch.undo()
@@ -212,7 +196,7 @@ def test_the_directory_and_its_subdirectories_keep_their_modes(mode, tmp_path):
 def _export_into_cwd(cwd, directory):
     os.chdir(cwd)
     state = {f"r{dist.get_rank()}": torch.ones(4)}
-    res = _outcome(lambda: dx.export_hf_checkpoint(state, directory))
+    res = outcome(lambda: dx.export_hf_checkpoint(state, directory))
     return res + (os.getcwd(),)
 
 
@@ -246,7 +230,7 @@ def test_a_directory_name_of_255_bytes_is_written(tmp_path):
 
 def _export_to(directory):
     state = {f"r{dist.get_rank()}": torch.ones(1000)}
-    return _outcome(lambda: dx.export_hf_checkpoint(state, directory))
+    return outcome(lambda: dx.export_hf_checkpoint(state, directory))
 
 
 @pytest.mark.parametrize("kind", ["loop", "under-loop", "dangling", "file", "proc", "sys"])

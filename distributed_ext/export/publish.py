@@ -184,9 +184,7 @@ class Stage:
             self.path = os.path.join(directory, f"{_STAGE_TAG}{uuid.uuid4().hex}")
             os.mkdir(self.path)
         except OSError as exc:
-            for made in reversed(self._made):
-                with contextlib.suppress(OSError):
-                    os.rmdir(made)
+            self._unmake()
             raise ValueError(f"export_hf_checkpoint: directory={directory!r} cannot take a checkpoint "
                              f"({exc.strerror}); pass a directory you can write") from exc
         self.published = False
@@ -196,14 +194,18 @@ class Stage:
         this export made is removed again (if nothing else was put there meanwhile)."""
         if not self.published:
             _remove(self.path)
-            for made in reversed(self._made):
-                with contextlib.suppress(OSError):
-                    os.rmdir(made)
+            self._unmake()
 
-    def publish(self, names: list[str], entry_point: str, texts: set[str]) -> None:
-        """Publishes ``names`` (files in the stage, fsynced by the caller) into the directory
-        in the order of the class docstring. ``texts``: the config files this checkpoint
-        writes (an earlier one is replaced)."""
+    def _unmake(self) -> None:
+        """Removes the directories this export made, deepest first (each only if empty)."""
+        for made in reversed(self._made):
+            with contextlib.suppress(OSError):
+                os.rmdir(made)
+
+    def publish(self, names: list[str], entry_point: str) -> None:
+        """Publishes ``names`` (files in the stage, fsynced by the caller; the config files
+        this checkpoint writes among them, replacing earlier ones) into the directory in the
+        order of the class docstring."""
         _fsync_path(self.path, directory=True)
         target = functools.partial(os.path.join, self.directory)
         earlier = os.path.join(self.path, ".earlier")

@@ -277,8 +277,7 @@ class FileSink:
         for name, text in self.texts.items():
             _write_file(os.path.join(self.stage.path, name), text)
             published.append(name)
-        self.stage.publish(published, INDEX_NAME if len(self.names) > 1 else WEIGHTS_NAME,
-                           set(self.texts))
+        self.stage.publish(published, INDEX_NAME if len(self.names) > 1 else WEIGHTS_NAME)
 
 
 class MemorySink:
