@@ -15,11 +15,10 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_all_ok, run_ranks
+from harness import assert_all_ok, outcome, run_ranks
 from test_export import (  # (skips where transformers is missing, as that module does)
     _counting_sends,
     _export_then_use_the_group,
-    _outcome,
     _read_checkpoint,
 )
 
@@ -157,9 +156,9 @@ def _blind_rank(out, writers):
     state = {f"w{dist.get_rank()}": torch.full((1000,), 1.0),
              "dense": torch.arange(2**20, dtype=torch.float32)}
     sent = []
-    outcome = _outcome(lambda: sent.append(_counting_sends(
+    result = outcome(lambda: sent.append(_counting_sends(
         lambda: dx.export_hf_checkpoint(state, out, writers=writers))))
-    return outcome, sent, dx.all_reduce("after", lambda: 1, sum)
+    return result, sent, dx.all_reduce("after", lambda: 1, sum)
 
 
 def test_writers_all_on_a_directory_a_rank_does_not_see_is_refused_and_auto_falls_back(
@@ -858,8 +857,8 @@ def _dies_while_owners_are_planned(out):
     state = {"w": distribute_tensor(torch.arange(300 * 1001, dtype=torch.float32)
                                     .reshape(300, 1001), mesh, [Shard(0)])}
     start = time.monotonic()
-    outcome = _outcome(lambda: dx.export_hf_checkpoint(state, out, writers="all"))
-    return outcome, time.monotonic() - start
+    result = outcome(lambda: dx.export_hf_checkpoint(state, out, writers="all"))
+    return result, time.monotonic() - start
 
 
 def test_a_rank_dying_while_the_owners_are_planned_is_named_by_every_survivor(tmp_path):
