@@ -165,9 +165,9 @@ def test_writers_all_on_a_directory_a_rank_does_not_see_is_refused_and_auto_fall
         tmp_path):
     out = tmp_path / "ckpt"
     values = assert_all_ok(run_ranks(_blind_rank, 3, str(out), "all"))
-    for outcome, _sent, after in values:
-        assert outcome[0] == "raised" and outcome[1] == "ValueError", outcome
-        assert "writers='all', but rank(s) [1] do not see directory=" in outcome[2], outcome
+    for result, _sent, after in values:
+        assert result[0] == "raised" and result[1] == "ValueError", result
+        assert "writers='all', but rank(s) [1] do not see directory=" in result[2], result
         assert after == 3
     assert not out.exists() and not [n for n in os.listdir(tmp_path) if "dext" in n]
     values = assert_all_ok(run_ranks(_blind_rank, 3, str(out), "auto"))
