@@ -430,19 +430,19 @@ def test_dtensor_placements_assemble(kind, world, tmp_path):
 
 def _bad_entry(out, kind):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import DTensor, Partial, Shard
 
     r = dist.get_rank()
     if kind == "shape":
         state = {"w": torch.zeros(4 if r == 0 else 5)}
     elif kind == "dtype":
         state = {"w": torch.zeros(4, dtype=torch.complex128 if r == 1 else torch.float32)}
-    elif kind == "strided":  # FSDP over a TP-split dim: rows are not one range per rank
+    elif kind == "placements":  # one mesh, two layouts: the message shows each rank's mesh
         from torch.distributed.tensor.placement_types import _StridedShard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        state = {"w": DTensor.from_local(torch.ones(4, 3), mesh, [_StridedShard(0, split_factor=2)],
-                                         run_check=False)}
+        placement = Shard(0) if r == 0 else _StridedShard(0, split_factor=2)
+        state = {"w": DTensor.from_local(torch.ones(4, 3), mesh, [placement], run_check=False)}
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         state = {"w": DTensor.from_local(torch.ones(3), mesh, [Partial()])}
@@ -453,7 +453,9 @@ def _bad_entry(out, kind):
     ("shape", "ValueError", "state['w'] differs between ranks (rank 0: float32 (4,); rank 1: "),
     ("dtype", "TypeError", "complex128"),
     ("partial", "ValueError", "Partial placement"),
-    ("strided", "ValueError", "state['w'] is a DTensor with placement _StridedShard"),
+    ("placements", "ValueError", "state['w'] differs between ranks (rank 0: float32 (8, 3) "
+     "[Shard(dim=0)] on mesh of ranks [0, 1] shape [2]; rank 1: float32 (8, 3) "
+     "[_StridedShard(dim=0, sf=2)] on mesh of ranks [0, 1] shape [2])"),
 ])
 def test_bad_entries_raise_on_every_rank_before_any_byte_moves(kind, own, text, tmp_path):
     out = tmp_path / "bad"

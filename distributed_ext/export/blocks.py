@@ -15,10 +15,14 @@ from distributed_ext.export import keys as _keys
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """A block of a tensor: ``offset`` and ``shape`` per dim."""
+    """A block of a tensor: ``offset`` and ``shape`` per dim. ``local``: where a holder's
+    local shard holds more than this block (a ``_StridedShard`` shard is several), the
+    block's offset in it; None where the block is the whole local shard. Not compared: the
+    replicas of a block are one block, each holder's at the same place in its shard."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
+    local: tuple[int, ...] | None = field(default=None, compare=False)
     numel: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,11 +101,19 @@ def _intersect(part: _keys.Part, lo: list[int], hi: list[int]) -> Block:
     return Block(tuple(offset), tuple(shape))
 
 
+def whole_view(block: Block) -> tuple[slice, ...] | None:
+    """Slices of a holder's local shard that give ``block`` (None: all of it)."""
+    if block.local is None:
+        return None
+    return tuple(slice(s, s + n) for s, n in zip(block.local, block.shape))
+
+
 def _local_view(part: _keys.Part, held: Block, lo: list[int], hi: list[int]
                 ) -> tuple[tuple[slice, ...], tuple[int, ...]]:
     """Slices of the holder's local block (an overlap in its coordinates) and the dim order
     that give a piece's bytes."""
-    local = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, held.offset))
+    at = held.local or (0,) * len(held.offset)
+    local = tuple(slice(a - o + s, b - o + s) for a, b, o, s in zip(lo, hi, held.offset, at))
     order = [d for d in part.src_dims if d >= 0]
     perm = order + [d for d in range(len(held.shape)) if d not in order]
     return local, tuple(perm)

@@ -6,10 +6,8 @@ and placements alone."""
 from __future__ import annotations
 
 import array
-import functools
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +18,12 @@ import torch.nn as nn
 from distributed_ext import _agree
 from distributed_ext._dtensor import dtensor_type
 from distributed_ext.collectives import all_reduce
+from distributed_ext.export.placements import (
+    check_mesh_order,
+    mesh_boxes,
+    placement_code,
+    show_codes,
+)
 from distributed_ext.export.safetensors import SAFETENSORS_DTYPES, _dtype_name
 
 
@@ -79,8 +83,11 @@ class Signature:
     mesh_shape: tuple[int, ...] | None = None
 
     def show(self) -> str:
-        where = "" if self.placements is None else f" {self.placements} on mesh {self.mesh_shape}"
-        return f"{self.dtype} {self.shape}{where}"
+        if self.placements is None:
+            return f"{self.dtype} {self.shape}"
+        assert self.mesh_ranks is not None and self.mesh_shape is not None
+        return (f"{self.dtype} {self.shape} {show_codes(self.placements)} on mesh of "
+                f"ranks {list(self.mesh_ranks)} shape {list(self.mesh_shape)}")
 
 
 @dataclass
@@ -123,27 +130,11 @@ def resolve_described(summaries: list[Described], mine: Described, what: str,
             for d, (keys, ids) in zip(summaries, tables)]
 
 
-def _placement_code(key: str, p: Any) -> tuple:
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if isinstance(p, Partial):
-        raise ValueError(f"state[{key!r}] is a DTensor with a Partial placement ({p}): its "
-                         "values are unreduced sums; call .redistribute(placements="
-                         "[Replicate()]) or .full_tensor() first")
-    if type(p) is Shard:  # not _StridedShard: its rows are not one range per rank
-        return ("S", p.dim)
-    if isinstance(p, Replicate):
-        return ("R",)
-    raise ValueError(f"state[{key!r}] is a DTensor with placement {p!r}, which the export "
-                     "cannot place exactly; call .redistribute(placements=[Shard(0)]) or "
-                     ".full_tensor() first")
-
-
 def describe_state(state: dict[str, Any], plan: tuple | None = None,
                    local: dict[str, torch.Tensor] | None = None) -> Described:
     """This rank's entries as compact tables; TypeError/ValueError naming the key of an
     entry the export cannot write (not a tensor, a dtype safetensors cannot store, a
-    ``Partial`` or ``_StridedShard`` DTensor, a local shard of another shape than its
+    ``Partial`` DTensor or one of a placement it does not know, a local shard of another shape than its
     placements say, a sparse or meta tensor). ``local``: filled with each key's local block
     (a DTensor's shard, else the tensor), which the transfer reads.
 
@@ -218,12 +209,12 @@ def _describe_dtensor(key: str, t: Any, table: list[Signature]
     _check_dtype(key, t)
     spec = t._spec
     mesh = spec.mesh
-    codes = tuple(_placement_code(key, p) for p in spec.placements)
+    codes = tuple(placement_code(key, p) for p in spec.placements)
     ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
     sig = Signature(_dtype_name(t.dtype), tuple(spec.shape), codes, ranks, tuple(mesh.mesh.shape))
     if list(ranks) != sorted(ranks):
-        _check_mesh_order(key, sig)
-    expected = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[1]
+        check_mesh_order(key, sig.shape, codes, ranks, sig.mesh_shape)
+    expected = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[0]
     table.append(sig)
     return len(table) - 1, None if expected is None else torch.Size(expected)
 
@@ -253,79 +244,11 @@ def _my_global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _mesh_positions(mesh_ranks: tuple[int, ...], mesh_shape: tuple[int, ...]
-                    ) -> list[tuple[list[int], list[int]]]:
-    """Per mesh entry (in the mesh's row-major order): its coordinate, and its position
-    along each mesh dim as torch's collectives see it -- its rank in the process group of
-    that dim, whose members are the dim's slice of the mesh in ascending global rank (the
-    order ``new_group`` keeps). The two differ only where a mesh's ranks are not ascending
-    along a dim (``DeviceMesh("cpu", [1, 0])``); ``full_tensor()`` (and
-    ``distribute_tensor``) then place a shard by its position, so the export does too."""
-    coords = []
-    for i in range(len(mesh_ranks)):
-        coord, rest = [], i
-        for n in reversed(mesh_shape):
-            rest, c = divmod(rest, n)
-            coord.append(c)
-        coords.append(list(reversed(coord)))
-    strides = [math.prod(mesh_shape[d + 1:]) for d in range(len(mesh_shape))]
-    out = []
-    for i, coord in enumerate(coords):
-        position = []
-        for d, n in enumerate(mesh_shape):
-            base = i - coord[d] * strides[d]
-            line = [mesh_ranks[base + k * strides[d]] for k in range(n)]
-            position.append(sorted(line).index(mesh_ranks[i]))
-        out.append((coord, position))
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _dtensor_blocks(sig: Signature) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Every mesh rank's block of a DTensor (global rank -> (offset, shape)), computed from its
-    global shape, mesh and placements alone -- the same on every rank, nothing exchanged.
-    Placed by each rank's position along the mesh dims (:func:`_mesh_positions`), as
-    ``full_tensor()`` places it."""
-    placements = _torch_placements(sig)
-    out = {}
-    for g, (_coord, position) in zip(sig.mesh_ranks, _mesh_positions(sig.mesh_ranks,
-                                                                     sig.mesh_shape)):
-        out[g] = _block_at(sig, placements, position)
-    return out
-
-
-def _torch_placements(sig: Signature) -> list[Any]:
-    from torch.distributed.tensor import Replicate, Shard
-
+def _dtensor_blocks(sig: Signature) -> dict[int, tuple[tuple[int, ...], list]]:
+    """Every mesh rank's local shape and boxes of a DTensor (global rank -> (local shape,
+    [(global offset, shape, local offset or None)])): :func:`.placements.mesh_boxes`."""
     assert sig.placements is not None and sig.mesh_ranks is not None and sig.mesh_shape
-    return [Shard(c[1]) if c[0] == "S" else Replicate() for c in sig.placements]
-
-
-def _block_at(sig: Signature, placements: list[Any], coord: list[int]
-              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    shape, offset = _compute_local_shape_and_global_offset(sig.shape, sig.mesh_shape, coord,
-                                                           placements)
-    return tuple(offset), tuple(shape)
-
-
-def _check_mesh_order(key: str, sig: Signature) -> None:
-    """ValueError where a mesh's ranks are not ascending along a dim AND its shards are
-    uneven there: torch itself then sizes a shard by its coordinate but gathers it by its
-    group rank, so ``full_tensor()`` mixes rows up -- there is no right answer to write."""
-    assert sig.mesh_ranks is not None and sig.mesh_shape is not None
-    placements = _torch_placements(sig)
-    for coord, position in _mesh_positions(sig.mesh_ranks, sig.mesh_shape):
-        if coord != position and _block_at(sig, placements, coord)[1] != \
-                _block_at(sig, placements, position)[1]:
-            raise ValueError(
-                f"state[{key!r}] is a DTensor of shape {list(sig.shape)} sharded unevenly "
-                f"({sig.placements}) on a mesh whose ranks are not ascending "
-                f"({list(sig.mesh_ranks)}, shape {list(sig.mesh_shape)}): torch sizes its "
-                "shards by mesh coordinate but gathers them in group-rank order, so even its "
-                "own full_tensor() is wrong here; build the DeviceMesh with ascending ranks, "
-                "or pad the dim to a multiple of the mesh dim's size")
+    return mesh_boxes(sig.shape, sig.placements, sig.mesh_ranks, sig.mesh_shape)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

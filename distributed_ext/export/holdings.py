@@ -65,12 +65,32 @@ def merge_holdings(described: list[Described], ranks: list[int], dst_rank: int,
     for key, held in holders.items():
         held.sort(key=lambda rs: rs[0])
         kinds = {s for _r, s in held}
-        if len(kinds) > 1:
+        if len(kinds) > 1 and not _sub_meshes(kinds):
             listing = "; ".join(f"rank {ranks[r]}: {s.show()}" for r, s in held)
             raise ValueError(f"state[{key!r}] differs between ranks ({listing}); every rank "
-                             "that holds a key must hold the same dtype, shape and placements")
+                             "that holds a key must hold the same dtype, shape and placements "
+                             "(a DTensor: on one mesh, or on disjoint meshes of one shape, "
+                             "each holding all of it)")
         out[key] = _holding(key, held, held[0][1], ranks, world, recorded)
     return out
+
+
+def _sub_meshes(kinds: set[Signature]) -> bool:
+    """Whether the holders' signatures differ only by their mesh's ranks, on disjoint meshes
+    each held by exactly its ranks (a norm on the 1-D ``fsdp`` mesh of a 2-D run: each TP
+    rank's fsdp mesh holds a whole copy). Each mesh is then a replica of the tensor."""
+    first = next(iter(kinds))
+    if first.placements is None or any(
+            (s.dtype, s.shape, s.placements, s.mesh_shape)
+            != (first.dtype, first.shape, first.placements, first.mesh_shape) for s in kinds):
+        return False
+    seen: set[int] = set()
+    for s in kinds:
+        assert s.mesh_ranks is not None
+        if seen & set(s.mesh_ranks):
+            return False
+        seen |= set(s.mesh_ranks)
+    return True
 
 
 def _holding(key: str, held: list[tuple[int, Signature]], sig: Signature, ranks: list[int],
@@ -87,22 +107,30 @@ def _holding(key: str, held: list[tuple[int, Signature]], sig: Signature, ranks:
                     "model was distributed with")
         whole = Block((0,) * len(sig.shape), sig.shape)
         return Holding(key, sig, [(r, whole) for r, _s in held])
-    blocks = _dtensor_blocks(sig)
-    if len(held) != len(blocks) or any(ranks[r] not in blocks for r, _s in held):
+    meshes = sorted({s for _r, s in held}, key=lambda s: s.mesh_ranks)
+    mesh_ranks = sorted(g for s in meshes for g in _dtensor_blocks(s))
+    if sorted(ranks[r] for r, _s in held) != mesh_ranks or any(
+            ranks[r] not in s.mesh_ranks for r, s in held):
         raise ValueError(
-            f"state[{key!r}] is a DTensor on a mesh of global ranks {sorted(blocks)}, but "
+            f"state[{key!r}] is a DTensor on a mesh of global ranks {mesh_ranks}, but "
             f"ranks {[ranks[r] for r, _s in held]} of the export's group (global ranks "
             f"{ranks}) hold it; export over the group its mesh spans")
-    return Holding(key, sig, _group_blocks(sig, tuple(ranks)))
+    if len(meshes) == 1:
+        return Holding(key, sig, _group_blocks(sig, tuple(ranks)))
+    return Holding(key, sig, sorted((rb for s in meshes for rb in _group_blocks(s, tuple(ranks))),
+                                    key=lambda rb: rb[0]))
 
 
 @functools.lru_cache(maxsize=4096)
 def _group_blocks(sig: Signature, ranks: tuple[int, ...]) -> list[tuple[int, Block]]:
-    """A DTensor's blocks by group rank, in rank order: one list per signature, shared by
-    every key of that signature (read-only)."""
+    """A DTensor's blocks by group rank, in rank order (a ``_StridedShard`` shard: several
+    per rank, each with its place in the shard): one list per signature, shared by every
+    key of that signature (read-only)."""
     blocks = _dtensor_blocks(sig)
     group_rank = {g: r for r, g in enumerate(ranks)}
-    return [(group_rank[g], Block(*blocks[g])) for g in sorted(blocks, key=group_rank.get)]
+    return [(group_rank[g], Block(offset, shape, local))
+            for g in sorted(blocks, key=group_rank.get)
+            for offset, shape, local in blocks[g][1]]
 
 
 def agree_plan(plans: list[tuple | None], ranks: list[int]) -> DistributionPlan | None:

@@ -19,6 +19,7 @@ from distributed_ext.export.blocks import (
     _overlap,
     _piece_runs,
     _tiles_exactly,
+    whole_view,
 )
 from distributed_ext.export.holdings import Holding
 from distributed_ext.export.safetensors import _DTYPE_BY_NAME
@@ -164,7 +165,7 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
             runs = [_piece_runs(wb, entry.shape, itemsize) for _s, wb in fixed]
             # Every holder's piece is kept where a rank may receive or send to any of them.
             zoned = spread and _zoned(runs)
-            pieces = [Piece(sender, wb, wb.numel * itemsize, _runs=wb_runs)
+            pieces = [Piece(sender, wb, wb.numel * itemsize, local=whole_view(wb), _runs=wb_runs)
                       for (sender, wb), wb_runs in zip(fixed, runs)
                       if keep is None or sender == keep or zoned]
             sends = [(sender, wb.numel * itemsize) for sender, wb in fixed
@@ -175,7 +176,7 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
         if share:
             entry.pieces, entry.source, entry.zoned = pieces, source, zoned
         else:  # (a part of a written tensor: never zoned)
-            entry.pieces.extend(Piece(p.rank, p.block, p.nbytes, source, _runs=p._runs)
+            entry.pieces.extend(Piece(p.rank, p.block, p.nbytes, source, p.local, _runs=p._runs)
                                 for p in pieces if keep is None or p.rank == keep)
         return covered
     # Replicated TP rows (HSDP x TP): each block from one of its holders, as below, and the
@@ -193,7 +194,7 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
         if spread or sender != dst_rank:
             load.add(sender, nbytes)
         if keep is None or sender == keep or zoned:
-            entry.pieces.append(Piece(sender, wb, nbytes, source))
+            entry.pieces.append(Piece(sender, wb, nbytes, source, whole_view(wb)))
     return covered
 
 
@@ -218,7 +219,8 @@ def _long_rows(wb: Block, shape: tuple[int, ...], itemsize: int) -> bool:
 def _add_spread(entry: Entry, source: str, wb: Block, owners: list[int], ways: int,
                 load: _Load, keep: int | None) -> None:
     """A replicated block split by rows between its ``ways`` least-loaded holders (in rank
-    order), each piece read from that holder's own copy (``local``: its rows of the block)."""
+    order), each piece read from that holder's own copy (``local``: its rows of the block,
+    where the block lies in the holder's shard)."""
     itemsize = entry.dtype.itemsize
     current = load.current()
     chosen = sorted(sorted(owners, key=lambda r: (current[r], r))[:ways])
@@ -230,8 +232,13 @@ def _add_spread(entry: Entry, source: str, wb: Block, owners: list[int], ways: i
         load.add(sender, n * row_bytes)
         if keep is None or sender == keep:
             block = Block((wb.offset[0] + start, *wb.offset[1:]), (n, *wb.shape[1:]))
-            entry.pieces.append(Piece(sender, block, n * row_bytes, source,
-                                      (slice(start, start + n),)))
+            if wb.local is None:
+                local: tuple[slice, ...] = (slice(start, start + n),)
+            else:
+                at = wb.local
+                local = (slice(at[0] + start, at[0] + start + n),
+                         *(slice(a, a + m) for a, m in zip(at[1:], wb.shape[1:])))
+            entry.pieces.append(Piece(sender, block, n * row_bytes, source, local))
         start += n
 
 
