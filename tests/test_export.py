@@ -23,52 +23,7 @@ from distributed_ext.export import stager as export_stager
 pytest.importorskip("transformers", reason="the export tests build Hugging Face models")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
 
-
-_COMMON = dict(vocab_size=130, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2)
-_MOE = dict(num_experts_per_tok=2)
-# Tiny configs of the families whose experts transformers fuses in memory (or renames), plus
-# Llama (no conversion) and a tied Qwen2. Four experts: over 3 ranks FSDP2 gives them 2/2/0.
-FAMILIES = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
-    "qwen2-tied": ("Qwen2ForCausalLM", "Qwen2Config", dict(tie_word_embeddings=True)),
-    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, **_MOE)),
-    "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
-        num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, **_MOE)),
-    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
-        num_experts=4, moe_intermediate_size=32, **_MOE)),
-    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, eos_token_id=1, **_MOE)),
-    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
-        n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
-        topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, **_MOE)),
-    "glm4-moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
-        n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
-        topk_group=1, **_MOE)),
-    "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(num_local_experts=4,
-                                                                     **_MOE)),
-    "ernie4.5-moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(
-        moe_num_experts=4, moe_intermediate_size=32, moe_k=2)),
-}
-
-
-def build(family: str, seed: int = 0):
-    import transformers as tf
-
-    model_cls, config_cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    return getattr(tf, model_cls)(getattr(tf, config_cls)(**_COMMON, **extra))
-
-
-def _input():
-    return torch.randint(0, 130, (2, 8), generator=torch.Generator().manual_seed(1))
-
-
-def _train_step(model):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(_input(), labels=_input()).loss.backward()
-    opt.step()
-    opt.zero_grad()
+from hf_models import TINY, build, make_input, read_checkpoint, train_step  # noqa: E402
 
 
 def _export_fsdp2(family, out, reference_dir, max_shard):
@@ -76,10 +31,10 @@ def _export_fsdp2(family, out, reference_dir, max_shard):
 
     model = build(family)
     dx.fsdp2_wrap(model)
-    _train_step(model)  # the shards now differ from any freshly built model
+    train_step(model)  # the shards now differ from any freshly built model
     dx.export_hf_checkpoint(model, out, max_shard_size=max_shard)
     with torch.no_grad():
-        logits = model(_input()).logits
+        logits = model(make_input()).logits
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
     ours = dx.gather_full_state(model)
@@ -96,17 +51,6 @@ def _export_fsdp2(family, out, reference_dir, max_shard):
     plain.save_pretrained(reference_dir, max_shard_size=max_shard)
     return (logits, {k: v.clone() for k, v in full.items()}, ours, hub, experts,
             torch.get_num_threads())
-
-
-def _read_checkpoint(directory):
-    from safetensors import safe_open
-
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.mark.parametrize("family, world, max_shard", [
@@ -130,7 +74,7 @@ def test_fsdp2_model_exports_what_save_pretrained_writes_and_loads_with_equal_lo
     for name in ("config.json", "generation_config.json"):
         assert json.loads((tmp_path / "ckpt" / name).read_text()) == \
             json.loads((tmp_path / "reference" / name).read_text()), name
-    written, reference = _read_checkpoint(out), _read_checkpoint(reference_dir)
+    written, reference = read_checkpoint(out), read_checkpoint(reference_dir)
     # Keys, shapes, dtypes and bytes: exactly what save_pretrained wrote.
     assert sorted(written) == sorted(reference)
     for k, v in reference.items():
@@ -169,7 +113,7 @@ def test_fsdp2_model_exports_what_save_pretrained_writes_and_loads_with_equal_lo
     torch.set_num_threads(threads)
     try:
         with torch.no_grad():
-            assert torch.equal(loaded(_input()).logits, logits)
+            assert torch.equal(loaded(make_input()).logits, logits)
     finally:
         torch.set_num_threads(before)
 
@@ -193,7 +137,7 @@ def _export_converted(kind, out, reference_dir):
     model = build("qwen3-moe")
     model._weight_conversions = _conversions(kind)
     dx.fsdp2_wrap(model)
-    _train_step(model)
+    train_step(model)
     try:
         dx.export_hf_checkpoint(model, out, max_shard_size="40KB")
         result = ("ok",)
@@ -214,7 +158,7 @@ def test_a_transposing_conversion_streams_transposed_blocks_of_the_shards(tmp_pa
     values = assert_all_ok(run_ranks(_export_converted, 3, "transpose", out, reference_dir,
                                      timeout=240))
     assert all(v == (("ok",), 3) for v in values), values
-    written, reference = _read_checkpoint(out), _read_checkpoint(reference_dir)
+    written, reference = read_checkpoint(out), read_checkpoint(reference_dir)
     assert sorted(written) == sorted(reference)
     key = "model.layers.0.mlp.experts.0.down_proj.weight"
     assert key not in written  # the transposed fused tensor is written as it is
@@ -246,7 +190,7 @@ def _export_state_dict_with_fused_names(out):
 def test_a_state_dict_is_written_with_its_own_keys(tmp_path):
     out = str(tmp_path / "ckpt")
     assert_all_ok(run_ranks(_export_state_dict_with_fused_names, 2, out))
-    written = _read_checkpoint(out)
+    written = read_checkpoint(out)
     assert sorted(written) == ["model.layers.0.mlp.experts.down_proj",
                                "model.layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(written["model.layers.0.mlp.experts.gate_up_proj"],
@@ -278,7 +222,7 @@ def test_many_small_tensors_are_packed_and_land_exactly(tmp_path):
     out = str(tmp_path / "ckpt")
     values = assert_all_ok(run_ranks(_export_many_small, 4, out, 5000, timeout=240))
     reference = values[0]
-    written = _read_checkpoint(out)
+    written = read_checkpoint(out)
     assert len(os.listdir(out)) == 4 + 1  # 4 files of <= 5 MB and an index (~17 MB in all)
     assert sorted(written) == sorted(reference)
     for k, v in reference.items():
@@ -609,7 +553,7 @@ def test_tp_regions_hold_a_few_regions_on_every_rank(tmp_path):
     out = tmp_path / "tp"
     values = assert_all_ok(run_ranks(_peak_during_tp_export, 2, str(out), timeout=120))
     assert max(values) < 48 * 2**20, [v / 2**20 for v in values]
-    got = _read_checkpoint(out)
+    got = read_checkpoint(out)
     assert all(torch.equal(got[f"w{i}"], torch.full((8192, 1024), float(i))) for i in range(8))
 
 
@@ -661,7 +605,7 @@ def _export_gpu_shards(path, out):
         dx.export_hf_checkpoint(model, out, chunk_bytes=8192)
         grown = torch.cuda.max_memory_allocated() - before
         with torch.no_grad():
-            return model(_input().cuda()).logits.cpu(), grown, _staging.cached_bytes()
+            return model(make_input().cuda()).logits.cpu(), grown, _staging.cached_bytes()
 
 
 @pytest.mark.cuda
@@ -676,7 +620,7 @@ def test_export_of_gpu_resident_fsdp2_shards(tmp_path):
     assert 0 < pinned <= 2 * (8192 + 2 * 4096), pinned  # two pinned chunks, not a block
     loaded = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
-        assert (loaded(_input()).logits - logits).abs().max().item() < 1e-4
+        assert (loaded(make_input()).logits - logits).abs().max().item() < 1e-4
 
 
 def _export_gpu_state_over_gloo(out, chunk):
@@ -858,7 +802,7 @@ def test_arguments_that_differ_between_ranks_are_refused_on_every_rank(name, per
 def _hook_raises_on_one_rank(out):
     import transformers as tf
 
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**TINY))
     if dist.get_rank() == 1:
         def hook(module, state_dict, prefix, local_metadata):
             raise RuntimeError("a state-dict hook failed on this rank")
@@ -909,7 +853,7 @@ def _failing_step(out, where):
     if where == "config":
         import transformers as tf
 
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**TINY))
         model.config.quantizer = object()  # what quantization tools attach: not JSON
         state = model
     return outcome(lambda: dx.export_hf_checkpoint(state, out, max_shard_size="20KB"))
@@ -991,7 +935,7 @@ def test_dst_killed_in_the_commit_leaves_the_earlier_or_the_new_checkpoint_never
     assert_all_ok(run_ranks(_export_with_args, 2, out, {}))
     assert not [n for n in os.listdir(tmp_path) if n != "ckpt"], os.listdir(tmp_path)
     assert sorted(os.listdir(out)) == [E.WEIGHTS_NAME, "tokenizer.json"]
-    got = _read_checkpoint(out)
+    got = read_checkpoint(out)
     assert sorted(got) == sorted(f"r{r}.w{i}" for r in range(2) for i in range(4))
 
 
@@ -1223,7 +1167,7 @@ def test_ctrl_c_on_dst_in_the_transfer_or_the_commit_fails_every_rank_alike(wher
         assert "tokenizer.json" in after_first
     else:  # interrupted before publishing: the earlier checkpoint, byte for byte
         assert after_first == before
-    got = _read_checkpoint(out)
+    got = read_checkpoint(out)
     assert sorted(got) == sorted(f"r{r}.w{i}" for r in range(3) for i in range(4))
 
 
@@ -1247,7 +1191,7 @@ def test_a_peer_dying_after_the_data_is_named_and_the_checkpoint_is_complete(tmp
         outcome = res[r].value
         assert outcome[:2] == ("raised", "RuntimeError") and "rank 1 died" in outcome[2], outcome
     assert "the checkpoint itself is complete" in res[0].value[2]
-    got = _read_checkpoint(out)
+    got = read_checkpoint(out)
     for r in range(3):
         for i in range(4):
             assert torch.equal(got[f"r{r}.w{i}"], torch.full((3000,), float(10 * r + i)))
@@ -1262,7 +1206,7 @@ def _export_into(out):
 def test_missing_parents_are_made_and_a_symlinked_directory_keeps_its_link(tmp_path):
     nested = tmp_path / "a" / "b" / "ckpt"
     assert_all_ok(run_ranks(_export_into, 2, str(nested)))
-    assert sorted(_read_checkpoint(str(nested))) == sorted(
+    assert sorted(read_checkpoint(str(nested))) == sorted(
         f"r{r}.w{i}" for r in range(2) for i in range(4))
     target = tmp_path / "real"
     target.mkdir()
@@ -1271,7 +1215,7 @@ def test_missing_parents_are_made_and_a_symlinked_directory_keeps_its_link(tmp_p
     link.symlink_to(target)
     assert_all_ok(run_ranks(_export_into, 2, str(link)))
     assert link.is_symlink() and (link / "tokenizer.json").exists()
-    assert sorted(_read_checkpoint(str(link))) == sorted(
+    assert sorted(read_checkpoint(str(link))) == sorted(
         f"r{r}.w{i}" for r in range(2) for i in range(4))
 
 

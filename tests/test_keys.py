@@ -10,7 +10,7 @@ from distributed_ext.export import keys as _keys
 
 pytest.importorskip("transformers", reason="the key mapping is transformers' own")
 
-from test_export import FAMILIES, build  # noqa: E402 - after the importorskip
+from hf_models import FAMILIES, build  # noqa: E402 - after the importorskip
 
 
 def _assemble(written: _keys.Written, state: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import assert_all_ok, outcome, run_ranks
+from hf_models import read_checkpoint
 from test_export import (  # (skips where transformers is missing, as that module does)
     _counting_sends,
     _export_then_use_the_group,
-    _read_checkpoint,
 )
 
 import distributed_ext as dx
@@ -173,7 +173,7 @@ def test_writers_all_on_a_directory_a_rank_does_not_see_is_refused_and_auto_fall
     values = assert_all_ok(run_ranks(_blind_rank, 3, str(out), "auto"))
     assert [v[0][0] for v in values] == ["ok"] * 3
     assert 0 < values[1][1][0] < 2**20  # the fallback: dst writes, rank 1 sends its bytes
-    assert sorted(_read_checkpoint(out)) == ["dense", "w0", "w1", "w2"]
+    assert sorted(read_checkpoint(out)) == ["dense", "w0", "w1", "w2"]
 
 
 def test_writers_must_be_auto_all_or_dst(tmp_path):
@@ -935,7 +935,7 @@ def test_transport_chunks_under_a_block_still_give_each_block_one_writer(tmp_pat
         assert not blocks[a] & blocks[b], (a, b)
     data = (out / E.WEIGHTS_NAME).read_bytes()
     assert len(set().union(*blocks)) == -(-len(data) // 4096)  # every block written
-    got = _read_checkpoint(out)
+    got = read_checkpoint(out)
     g = torch.Generator().manual_seed(4)
     for k in ("a", "b"):
         assert torch.equal(got[k], torch.randn(999, 77, generator=g)), k
@@ -990,7 +990,7 @@ def test_tp_rows_down_to_the_short_run_threshold_are_written_where_they_are_held
     wrote_dst = [got["dst"][1] for got, _full in values]
     assert min(wrote_all[1:]) > len(data) // (3 * world), wrote_all
     assert max(wrote_dst[1:]) == 0 and wrote_dst[0] >= len(data), wrote_dst
-    got = _read_checkpoint(tmp_path / "all")
+    got = read_checkpoint(tmp_path / "all")
     for k, v in values[0][1].items():
         assert torch.equal(got[k], v), k
 
@@ -1028,7 +1028,7 @@ def test_tp_rows_are_written_by_region_each_rank_writing_and_sending_its_share(t
     values = assert_all_ok(run_ranks(_tp_rows_by_region, 2, str(tmp_path), timeout=120))
     data = (tmp_path / "all" / E.WEIGHTS_NAME).read_bytes()
     assert data == (tmp_path / "dst" / E.WEIGHTS_NAME).read_bytes()
-    got = _read_checkpoint(tmp_path / "all")
+    got = read_checkpoint(tmp_path / "all")
     for k, v in values[0][1].items():
         assert torch.equal(got[k], v), k
     mine = 8 * 2**20 // 2  # each rank's bytes
@@ -1177,7 +1177,7 @@ def test_random_layouts_are_written_as_full_tensor_holds_them_by_either_writers(
         assert (tmp_path / "all" / name).read_bytes() == (tmp_path / "dst" / name).read_bytes(), \
             (name, values[0])
     want = torch.load(tmp_path / "full_tensors.pt")
-    got = _read_checkpoint(tmp_path / "all")
+    got = read_checkpoint(tmp_path / "all")
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), \
@@ -1213,7 +1213,7 @@ def test_a_subgroup_whose_dst_is_not_rank_0_writes_as_full_tensor_holds_it(tmp_p
     assert names == sorted(os.listdir(tmp_path / "all")) and len(names) > 2
     for name in names:
         assert (tmp_path / "all" / name).read_bytes() == (tmp_path / "dst" / name).read_bytes()
-    got = _read_checkpoint(tmp_path / "all")
+    got = read_checkpoint(tmp_path / "all")
     assert sorted(got) == ["fsdp", "own1", "own2", "own3", "plain", "rep", "tp"]
     for r in (1, 2, 3):
         assert torch.equal(got[f"own{r}"], values[r][f"own{r}"])

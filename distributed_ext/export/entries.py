@@ -25,20 +25,23 @@ from distributed_ext.export.placements import (
     show_codes,
 )
 from distributed_ext.export.safetensors import SAFETENSORS_DTYPES, _dtype_name
+from distributed_ext.export.wrappers import strip_wrapper_keys, unwrap
 
 
 def resolve_state(model_or_state: nn.Module | dict) -> tuple[dict[str, torch.Tensor], nn.Module | None]:
     """The in-memory entries to export, and the model if any.
 
-    For a module: its ``state_dict()``, less the keys ``save_pretrained`` leaves out: tied
-    weights (the keys of ``_tied_weights_keys`` that alias their source), so that
-    ``from_pretrained`` re-ties them, and ``_keys_to_ignore_on_save``. The keys are the
-    model's in-memory names; :mod:`distributed_ext.export.keys` maps them to the hub's.
+    For a module: the model inside its wrappers (``torch.compile``, DDP:
+    :mod:`distributed_ext.export.wrappers`) and its ``state_dict()`` under its own keys, less
+    the keys ``save_pretrained`` leaves out: tied weights (the keys of ``_tied_weights_keys``
+    that alias their source), so that ``from_pretrained`` re-ties them, and
+    ``_keys_to_ignore_on_save``. The keys are the model's in-memory names;
+    :mod:`distributed_ext.export.keys` maps them to the hub's.
     """
     if isinstance(model_or_state, nn.Module):
-        model = model_or_state
+        model = unwrap(model_or_state)
         # keep_vars: a tied parameter is then the same object under both keys.
-        state = dict(model.state_dict(keep_vars=True))
+        state = strip_wrapper_keys(model, dict(model.state_dict(keep_vars=True)))
         tied = getattr(model, "_tied_weights_keys", None) or {}
         targets = list(tied.keys()) if isinstance(tied, dict) else list(tied)
         for key in targets:
