@@ -35,12 +35,13 @@ FAMILIES = {
 }
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, **overrides):
+    """A tiny model of ``family`` with seeded weights (``overrides``: config fields)."""
     import transformers as tf
 
     model_cls, config_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    return getattr(tf, model_cls)(getattr(tf, config_cls)(**TINY, **extra))
+    return getattr(tf, model_cls)(getattr(tf, config_cls)(**{**TINY, **extra, **overrides}))
 
 
 def make_input():
