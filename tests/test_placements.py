@@ -222,3 +222,29 @@ def test_random_placements_are_written_and_gathered_exactly(world, seed, tmp_pat
     for key, value in want.items():
         assert torch.equal(gathered[key], value), ("gather_full_state", key)
     assert "model.safetensors.index.json" in os.listdir(tmp_path / "all")  # 2KB shards
+
+
+def _partial_then_advice(out: str):
+    from harness import outcome
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2))
+    local = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (dist.get_rank() + 1)
+    value = DTensor.from_local(local, mesh, [Partial(), Shard(0)])
+    refused = outcome(lambda: dx.export_hf_checkpoint({"w": value}, out))
+    # the advice, as the message gives it
+    fixed = value.redistribute(placements=[Replicate()] * value.device_mesh.ndim)
+    dx.export_hf_checkpoint({"w": fixed}, out)
+    return refused, fixed.full_tensor()
+
+
+def test_a_partial_dtensor_is_refused_and_the_advice_given_works(tmp_path):
+    values = assert_all_ok(run_ranks(_partial_then_advice, 4, str(tmp_path / "ckpt")))
+    for refused, _full_value in values:
+        assert refused[:2] == ("raised", "ValueError") and "Partial" in refused[2], refused
+    written = safetensors_torch.load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    # the sum over the Partial mesh dim of each rank's rows: ranks (0, 2) and (1, 3)
+    rows = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(written["w"], torch.cat([rows * (1 + 3), rows * (2 + 4)]))
+    assert torch.equal(values[0][1], written["w"])
