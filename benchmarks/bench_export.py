@@ -13,15 +13,21 @@ gathered, rank 0 saving with safetensors), each in fresh ranks; the filesystem a
 average are printed beside the figures.
 
 The TP scenario (``--tp``): 16 ``Shard(1)`` entries (each rank's part of a row
-``--tp-run`` bytes: a ``Shard(1)``/TP layout's short runs; ``--tp-dp D``: FSDP x TP on a D x
-world/D mesh), ``writers="all"`` beside
+``--tp-run`` bytes: a ``Shard(1)``/TP layout's short runs), ``writers="all"`` beside
 ``writers="dst"`` and torch's ``full_tensor()`` route, each in fresh ranks, with the bytes
 each rank wrote and sent.
+
+The FSDP x TP scenario (``--fsdp-tp``): the Llama-shaped model under torch's own 2-D recipe
+(``parallelize_module`` on a tp mesh dim of 2, ``fully_shard`` over dp = world / 2: colwise
+weights ``(_StridedShard(0, 2), Shard(0))``), world 4 by default, ours (both writers) beside
+transformers' own save of it (``gather_full_state_dict`` + ``save_pretrained`` on rank 0, what
+``save_pretrained`` runs for a model sharded over dp) and the disk's O_DIRECT write of the
+same bytes, by dst alone and by every rank its share; each in fresh ranks.
 
 Usage: python benchmarks/bench_export.py [--sizes 1GiB 4GiB] [--world 2] [--repeat 2]
        python benchmarks/bench_export.py --many [--many-world 4] [--many-entries 5000]
        python benchmarks/bench_export.py --tp [--sizes 1GiB] [--world 2] [--tp-run 2KiB]
-                                          [--tp-dp 1]
+       python benchmarks/bench_export.py --fsdp-tp [--sizes 1GiB] [--world 4]
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=bench.parse_size, nargs="+",
                     default=[bench.parse_size("1GiB"), bench.parse_size("4GiB")])
-    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--world", type=int, default=None,
+                    help="ranks (default 2; 4 with --fsdp-tp)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--many", action="store_true",
                     help="run the many-small-tensors scenario instead of the model sizes")
@@ -49,18 +56,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the TP-layout scenario (writers all, dst, torch) instead")
     ap.add_argument("--tp-run", type=bench.parse_bytes, default=2048,
                     help="bytes of each rank's part of a row (default 2KiB)")
-    ap.add_argument("--tp-dp", type=int, default=1,
-                    help="FSDP x TP: the mesh's FSDP size (a divisor of --world; default 1: TP "
-                         "alone)")
+    ap.add_argument("--fsdp-tp", action="store_true",
+                    help="run the FSDP x TP scenario (torch's 2-D recipe; --world defaults "
+                         "to 4) instead")
     args = ap.parse_args(argv)
+    world = args.world or (4 if args.fsdp_tp else 2)
+    if args.fsdp_tp:
+        base = bench.bench_dir()
+        load = os.getloadavg()
+        for size in args.sizes:
+            rows = bench.measure_fsdp_tp(world, size, args.repeat, base)
+            print("\n".join(bench.format_fsdp_tp(rows, world, size, base, load)))
+        return 0
     if args.tp:
         base = bench.bench_dir()
         load = os.getloadavg()
         for size in args.sizes:
-            rows = bench.measure_tp(args.world, size, args.tp_run, args.repeat, base,
-                                    args.tp_dp)
-            print("\n".join(bench.format_tp(rows, args.world, size, args.tp_run, base, load,
-                                             args.tp_dp)))
+            rows = bench.measure_tp(world, size, args.tp_run, args.repeat, base)
+            print("\n".join(bench.format_tp(rows, world, size, args.tp_run, base, load)))
         return 0
     if args.many:
         base = bench.bench_dir()
@@ -73,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for size in args.sizes:
         for method in bench.resolve_methods("export", True):
-            results.append(bench.measure_fresh("export", method, args.world, size, args.repeat))
+            results.append(bench.measure_fresh("export", method, world, size, args.repeat))
             print(f"  done: {bench.format_size(size)} model, {method}", file=sys.stderr,
                   flush=True)
     print(bench.format_table(results))

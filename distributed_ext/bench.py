@@ -505,23 +505,30 @@ def _call(workload: str, method: str, data: Any, rank: int, world: int, dst: int
     return rank != dst or got == [len(data)] * world
 
 
-def build_export_model(nbytes: int, device: str = "cpu") -> Any:
-    """An FSDP2-wrapped Llama-shaped model of about ``nbytes`` of fp32 parameters, from a
-    config (hidden 1024, intermediate 2816, vocab 32000, untied; a quarter of each below
-    512 MiB), built alike on every rank, its shards on ``device`` ("cuda": GPU-resident)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import distributed_ext as dx
+def _llama_config(nbytes: int) -> Any:
+    """A Llama config of about ``nbytes`` of fp32 parameters (hidden 1024, intermediate
+    2816, vocab 32000, untied; a quarter of each below 512 MiB)."""
+    from transformers import LlamaConfig
 
     h, i, v = (1024, 2816, 32000) if nbytes >= 512 * 2**20 else (256, 704, 8000)
     per_layer = 4 * (2 * h * h + 2 * h * h // 4 + 3 * h * i)  # q,o + k,v (4 kv heads) + mlp
     layers = max(1, round((nbytes - 4 * 2 * v * h) / per_layer))
+    return LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=i,
+                       num_hidden_layers=layers, num_attention_heads=h // 64,
+                       num_key_value_heads=h // 256, tie_word_embeddings=False)
+
+
+def build_export_model(nbytes: int, device: str = "cpu") -> Any:
+    """An FSDP2-wrapped Llama-shaped model of about ``nbytes`` of fp32 parameters, from a
+    config (:func:`_llama_config`), built alike on every rank, its shards on ``device``
+    ("cuda": GPU-resident)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import distributed_ext as dx
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=i,
-                         num_hidden_layers=layers, num_attention_heads=h // 64,
-                         num_key_value_heads=h // 256, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(device)
+    model = LlamaForCausalLM(_llama_config(nbytes)).to(device)
     dx.fsdp2_wrap(model)
     return model
 
@@ -1105,42 +1112,52 @@ def format_many(rows: list[tuple[str, int, Timing]], world: int, per_rank: int, 
 TP_ROUTES = ("writers=all", "writers=dst", "torch full_tensor()+save_file")
 
 
-def _tp_rank(route: str, size: int, run: int, base: str, repeat: int, dp: int = 1
-             ) -> dict | None:
-    """In each fresh rank: a TP layout of ``size`` bytes -- 16 fp32 ``Shard(1)`` DTensors
-    (``dp`` > 1: FSDP x TP, ``[Shard(0), Shard(1)]`` on a ``dp`` x ``world / dp`` mesh),
+def _tp_rank(route: str, size: int, run: int, base: str, repeat: int) -> dict | None:
+    """In each fresh rank: a TP layout of ``size`` bytes -- 16 fp32 ``Shard(1)`` DTensors,
     each rank's part of a row ``run`` bytes -- exported ``1 + repeat`` times by ``route``;
     dst's Timing and every rank's bytes written and sent (the first call's) as a dict on
     dst, None elsewhere."""
-    import shutil
-    from dataclasses import asdict
-
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    cols = run // 4 * world
+    rows = max(1, size // 16 // (cols * 4))
+    state = {f"model.layers.{i}.w": distribute_tensor(torch.randn(rows, cols, generator=g),
+                                                      mesh, [Shard(1)]) for i in range(16)}
+
+    def save(path: str) -> None:
+        _save_full_tensors(state, path)
+
+    return _time_routes(route, state, save, os.path.join(base, f"dext-tp-{os.getppid()}"),
+                        repeat)
+
+
+def _time_routes(route: str, model: Any, baseline: Any, out: str, repeat: int) -> dict | None:
+    """``model`` exported ``1 + repeat`` times by ``route`` (``writers=...``: ours; else
+    ``baseline(path)``), into fresh directories ``out-<i>`` that dst removes; dst's Timing
+    and every rank's bytes written and sent in the first call, on dst (None elsewhere)."""
+    import shutil
+    from dataclasses import asdict
+
+    import torch.distributed as dist
 
     import distributed_ext as dx
     from distributed_ext._timing import time_calls
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp = world // dp
-    mesh = init_device_mesh("cpu", (dp, tp) if dp > 1 else (world,))
-    placements = [Shard(0), Shard(1)] if dp > 1 else [Shard(1)]
-    g = torch.Generator().manual_seed(0)
-    cols = run // 4 * tp
-    rows = max(dp, size // 16 // (cols * 4))
-    state = {f"model.layers.{i}.w": distribute_tensor(torch.randn(rows, cols, generator=g),
-                                                      mesh, placements) for i in range(16)}
-    out = os.path.join(base, f"dext-tp-{os.getppid()}")
     moved: list[RankIO] = []
 
     def call(i: int) -> None:
         path = f"{out}-{i}"
         with RankIO() as counted:
             if route.startswith("writers="):
-                dx.export_hf_checkpoint(state, path, writers=route.split("=")[1])
+                dx.export_hf_checkpoint(model, path, writers=route.split("=")[1])
             else:
-                _save_full_tensors(state, path)
+                baseline(path)
         moved.append(counted)
 
     def after(i: int, _value: None) -> None:
@@ -1153,41 +1170,157 @@ def _tp_rank(route: str, size: int, run: int, base: str, repeat: int, dp: int = 
     return {"timing": asdict(timing), "io": every} if rank == 0 else None
 
 
-def measure_tp(world: int, size: int, run: int, repeat: int, base: str, dp: int = 1
+def measure_tp(world: int, size: int, run: int, repeat: int, base: str
                ) -> list[tuple[str, Timing, list]]:
     """Each route of :data:`TP_ROUTES` in fresh local ranks (:func:`_tp_rank`)."""
-    if dp < 1 or world % dp:
-        raise ValueError(f"--tp-dp {dp}: must divide --world {world} (the mesh is dp x "
-                         "world/dp); pass a divisor of the world size")
     rows = []
     for route in TP_ROUTES:
-        value = _dst_value(route, _tp_rank, world, route, size, run, base, repeat, dp)
+        value = _dst_value(route, _tp_rank, world, route, size, run, base, repeat)
         rows.append((route, Timing(**value["timing"]), value["io"]))
         print(f"  done: TP layout, {route}", file=sys.stderr, flush=True)
     return rows
 
 
 def format_tp(rows: list[tuple[str, Timing, list]], world: int, size: int, run: int,
-              base: str, load: tuple[float, float, float], dp: int = 1) -> list[str]:
-    layout = (f"FSDP x TP ({dp} x {world // dp}, [Shard(0), Shard(1)])" if dp > 1
-              else "Shard(1)")
-    lines = [f"TP layout: world {world} on gloo, 16 fp32 {layout} DTensors, "
+              base: str, load: tuple[float, float, float]) -> list[str]:
+    lines = [f"TP layout: world {world} on gloo, 16 fp32 Shard(1) DTensors, "
              f"{format_size(size)} in all, each rank's part of a row {run} bytes; writing to "
-             f"{base} ({_filesystem(base)}); {_load_text(load)}",
-             "| route | first call s | warm median s | warm min-max s | "
-             "per rank, first call: MB written to files / MB sent |",
-             "|---|---|---|---|---|"]
-    for route, t, counts in rows:
-        per_rank = ", ".join(f"{w / 1e6:.0f}/" + (f"{n / 1e6:.0f}" if route.startswith("w")
-                                                  else "-") for w, n in counts)
-        lines.append(f"| {route} | {t.first:.3f} | {t.median:.3f} | {t.low:.3f}-{t.high:.3f} "
-                     f"| {per_rank} |")
+             f"{base} ({_filesystem(base)}); {_load_text(load)}", *_route_table(rows)]
     get = {r: t for r, t, _io in rows}
     ours, one, torch_route = (get[r] for r in TP_ROUTES)
     for label, a, b in (("writers=dst / writers=all", one, ours),
                         ("torch's route / writers=all", torch_route, ours)):
         lines.append(f"  {label}: first call {a.first / b.first:.2f}x, "
                      f"warm {a.median / b.median:.2f}x")
+    return lines
+
+
+def _route_table(rows: list[tuple[str, Timing, list]]) -> list[str]:
+    """One row per route: first call, warm median and min-max, and each rank's MB written to
+    files and sent in the first call (ours; the disk's rows: written; a baseline's are not
+    known apart from its sockets' writes: "-")."""
+    lines = ["| route | first call s | warm median s | warm min-max s | "
+             "per rank, first call: MB written to files / MB sent |",
+             "|---|---|---|---|---|"]
+    for route, t, counts in rows:
+        ours, disk = route.startswith("writers="), route.startswith("disk")
+        per_rank = ", ".join((f"{w / 1e6:.0f}" if ours or disk else "-") + "/"
+                             + (f"{n / 1e6:.0f}" if ours else "-") for w, n in counts)
+        lines.append(f"| {route} | {t.first:.3f} | {t.median:.3f} | {t.low:.3f}-{t.high:.3f} "
+                     f"| {per_rank} |")
+    return lines
+
+
+# -- FSDP x TP, as torch's 2-D recipe builds it ----------------------------------------------
+
+_HF_SAVE = "transformers gather_full_state_dict+save_pretrained"
+FSDP_TP_ROUTES = ("writers=all", "writers=dst", _HF_SAVE, "disk O_DIRECT write",
+                  _PARALLEL_DISK)
+
+
+def build_fsdp_tp_model(nbytes: int, dp: int, tp: int) -> Any:
+    """The Llama-shaped model of :func:`build_export_model` under torch's 2-D recipe, as
+    torchtitan applies it: ``parallelize_module`` (Colwise q/k/v/gate/up and lm_head,
+    Rowwise o/down and the embedding) on the ``tp`` mesh dim, then ``fully_shard`` of each
+    layer and the root over ``dp`` -- so colwise weights, the embedding and lm_head are
+    ``(_StridedShard(0, split_factor=tp), Shard(0))``. Built on the meta device and
+    materialized as shards (no rank holds the full model), filled with seeded values."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from transformers import LlamaForCausalLM
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_llama_config(nbytes))
+    parallelize_module(model, mesh["tp"], {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()})
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(torch.distributed.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().uniform_(-0.02, 0.02, generator=g)
+    return model
+
+
+def _fsdp_tp_rank(route: str, size: int, base: str, repeat: int) -> dict | None:
+    """In each fresh rank (world 4: a 2 x 2 mesh): :func:`build_fsdp_tp_model` of ``size``
+    bytes, written ``1 + repeat`` times by ``route``; as :func:`_time_routes`."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_fsdp_tp_model(size, world // 2, 2)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # the full size
+
+    def baseline(path: str) -> None:
+        if route == _HF_SAVE:  # what save_pretrained runs for a model sharded over dp
+            from transformers.distributed.utils import gather_full_state_dict
+
+            state = gather_full_state_dict(model)
+            if rank == 0:
+                model.save_pretrained(path, state_dict=state)
+            del state
+        elif route == _PARALLEL_DISK:
+            _write_shares(path, nbytes, rank, world, 0)
+        elif rank == 0:
+            _write_direct(path, nbytes)
+        dist.barrier()
+
+    return _time_routes(route, model, baseline, os.path.join(base, f"dext-2d-{os.getppid()}"),
+                        repeat)
+
+
+def measure_fsdp_tp(world: int, size: int, repeat: int, base: str
+                    ) -> list[tuple[str, Timing, list]]:
+    """Each route of :data:`FSDP_TP_ROUTES` in fresh local ranks (:func:`_fsdp_tp_rank`)."""
+    if world < 4 or world % 2:
+        raise ValueError(f"--world {world}: FSDP x TP needs an even world of at least 4 "
+                         "(the mesh is world/2 x 2); pass --world 4")
+    rows = []
+    for route in FSDP_TP_ROUTES:
+        value = _dst_value(route, _fsdp_tp_rank, world, route, size, base, repeat)
+        rows.append((route, Timing(**value["timing"]), value["io"]))
+        print(f"  done: FSDP x TP, {route}", file=sys.stderr, flush=True)
+    return rows
+
+
+def format_fsdp_tp(rows: list[tuple[str, Timing, list]], world: int, size: int, base: str,
+                   load: tuple[float, float, float]) -> list[str]:
+    lines = [f"FSDP x TP (torch's 2-D recipe: parallelize_module on tp, fully_shard over dp; "
+             f"colwise weights (_StridedShard(0, 2), Shard(0))): a Llama-shaped model of "
+             f"{format_size(size)} fp32, mesh {world // 2} x 2, world {world} on gloo; "
+             f"writing to {base} ({_filesystem(base)}); {_load_text(load)}",
+             *_route_table(rows)]
+    get = {r: t for r, t, _io in rows}
+    ours = get["writers=all"]
+    for label, base_t, target in (
+            ("transformers' save / ours", get[_HF_SAVE], 5.0),
+            ("ours vs the disk's O_DIRECT rate (dst alone)", get["disk O_DIRECT write"], 0.8),
+            ("ours vs the disk's O_DIRECT rate, every rank its share", get[_PARALLEL_DISK],
+             0.8)):
+        for when, a, b in (("first call", base_t.first, ours.first),
+                           ("warm", base_t.median, ours.median)):
+            ratio = a / b
+            lines.append(f"  {'met ' if ratio >= target else 'MISSED'} {label}, {when}: "
+                         f"{ratio:.2f}x (target >= {target}x)")
+    one = get["writers=dst"]
+    lines.append(f"  writers=dst / writers=all: first call {one.first / ours.first:.2f}x, "
+                 f"warm {one.median / ours.median:.2f}x")
     return lines
 
 

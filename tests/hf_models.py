@@ -48,6 +48,19 @@ def make_input():
     return torch.randint(0, 130, (2, 8), generator=torch.Generator().manual_seed(1))
 
 
+def logits_on_threads(model, threads: int) -> torch.Tensor:
+    """``model``'s logits on :func:`make_input`, computed on ``threads`` threads: equal to the
+    bit to a rank's where it used as many (a reduction split over another number of threads
+    rounds otherwise)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            return model(make_input()).logits
+    finally:
+        torch.set_num_threads(before)
+
+
 def train_step(model):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(make_input(), labels=make_input()).loss.backward()

@@ -381,11 +381,34 @@ def test_the_tp_scenario_prints_each_route_beside_writers_all_with_their_ratios(
     lines = bench.format_tp(rows, 2, 2**30, 2048, str(tmp_path), (1.0, 2.0, 3.0))
     assert "world 2" in lines[0] and "2048 bytes" in lines[0] and "1.00 2.00 3.00" in lines[0]
     assert "| writers=all | 1.000 | 0.600 | 0.500-0.700 | 100/0, 0/50 |" in lines
-    assert "| torch full_tensor()+save_file | 4.000 | 3.000 | 3.000-3.000 | 200/-, 0/- |" \
+    assert "| torch full_tensor()+save_file | 4.000 | 3.000 | 3.000-3.000 | -/-, -/- |" \
         in lines
     assert "  writers=dst / writers=all: first call 1.50x, warm 1.50x" in lines
     assert "  torch's route / writers=all: first call 4.00x, warm 5.00x" in lines
-    lines = bench.format_tp(rows, 4, 2**30, 2048, str(tmp_path), (1.0, 2.0, 3.0), dp=2)
-    assert "FSDP x TP (2 x 2, [Shard(0), Shard(1)])" in lines[0], lines[0]
-    with pytest.raises(ValueError, match="--tp-dp 3: must divide --world 4"):
-        bench.measure_tp(4, 2**20, 2048, 0, str(tmp_path), dp=3)
+
+
+def test_the_fsdp_tp_scenario_judges_ours_against_transformers_save_and_the_disk(tmp_path):
+    from distributed_ext._timing import Timing
+
+    io = [(300e6, 10e6)] * 4
+    rows = [("writers=all", Timing(1.0, [0.8, 1.2]), io),
+            ("writers=dst", Timing(1.5, [1.5]), io),
+            ("transformers gather_full_state_dict+save_pretrained", Timing(6.0, [4.0]), io),
+            ("disk O_DIRECT write", Timing(0.9, [0.7]), [(1074e6, 0)] + [(0, 0)] * 3),
+            ("disk O_DIRECT write, every rank its share", Timing(0.7, [0.9]), io)]
+    lines = bench.format_fsdp_tp(rows, 4, 2**30, str(tmp_path), (1.0, 2.0, 3.0))
+    assert "mesh 2 x 2, world 4" in lines[0] and "_StridedShard(0, 2)" in lines[0]
+    assert "| writers=all | 1.000 | 1.000 | 0.800-1.200 | 300/10, 300/10, 300/10, 300/10 |" \
+        in lines
+    assert ("| transformers gather_full_state_dict+save_pretrained | 6.000 | 4.000 | "
+            "4.000-4.000 | -/-, -/-, -/-, -/- |") in lines
+    assert "| disk O_DIRECT write | 0.900 | 0.700 | 0.700-0.700 | 1074/-, 0/-, 0/-, 0/- |" \
+        in lines
+    assert "  met  transformers' save / ours, first call: 6.00x (target >= 5.0x)" in lines
+    assert "  MISSED transformers' save / ours, warm: 4.00x (target >= 5.0x)" in lines
+    assert ("  met  ours vs the disk's O_DIRECT rate (dst alone), first call: 0.90x "
+            "(target >= 0.8x)") in lines
+    assert ("  MISSED ours vs the disk's O_DIRECT rate, every rank its share, first call: "
+            "0.70x (target >= 0.8x)") in lines
+    with pytest.raises(ValueError, match="--world 3: FSDP x TP needs an even world"):
+        bench.measure_fsdp_tp(3, 2**20, 0, str(tmp_path))

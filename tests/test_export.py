@@ -23,7 +23,14 @@ from distributed_ext.export import stager as export_stager
 pytest.importorskip("transformers", reason="the export tests build Hugging Face models")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
 
-from hf_models import TINY, build, make_input, read_checkpoint, train_step  # noqa: E402
+from hf_models import (  # noqa: E402
+    TINY,
+    build,
+    logits_on_threads,
+    make_input,
+    read_checkpoint,
+    train_step,
+)
 
 
 def _export_fsdp2(family, out, reference_dir, max_shard):
@@ -107,15 +114,7 @@ def test_fsdp2_model_exports_what_save_pretrained_writes_and_loads_with_equal_lo
         assert "lm_head.weight" not in written  # tied: written once, re-tied on load
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    # Equal to the bit where computed alike: on as many threads as the rank used (a
-    # reduction split over another number of threads rounds otherwise).
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            assert torch.equal(loaded(make_input()).logits, logits)
-    finally:
-        torch.set_num_threads(before)
+    assert torch.equal(logits_on_threads(loaded, threads), logits)
 
 
 def _conversions(kind):

@@ -19,7 +19,13 @@ import distributed_ext as dx
 pytest.importorskip("transformers", reason="the wrapped models are Hugging Face models")
 pytest.importorskip("safetensors", reason="needs safetensors")
 
-from hf_models import build, make_input, read_checkpoint, train_step  # noqa: E402
+from hf_models import (  # noqa: E402
+    build,
+    logits_on_threads,
+    make_input,
+    read_checkpoint,
+    train_step,
+)
 
 
 class Holder(nn.Module):
@@ -95,13 +101,7 @@ def test_a_wrapped_model_is_written_as_save_pretrained_writes_the_model_inside(k
     # gather_full_state: the inner model's own keys, as its load_state_dict takes them
     assert gathered_keys == model_keys
     loaded = AutoModelForCausalLM.from_pretrained(out)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            assert torch.equal(loaded(make_input()).logits, logits)
-    finally:
-        torch.set_num_threads(before)
+    assert torch.equal(logits_on_threads(loaded, threads), logits)
 
 
 def _export_held(out):

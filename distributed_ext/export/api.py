@@ -54,8 +54,17 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     transposes), streamed from where they live: no rank materializes a fused tensor. A
     conversion that is not such a set of blocks (a cast, arithmetic) raises ValueError on
     every rank before any byte moves, naming the key. A state dict is written with its own
-    keys. DTensors (FSDP2 ``fully_shard`` with uneven or empty shards, ``Shard(d)``,
-    ``Replicate``, 2-D meshes) are assembled from their local shards; a plain tensor every
+    keys. A module inside wrappers that rename its keys (``torch.compile``'s ``_orig_mod``,
+    DDP's or ``DataParallel``'s ``module``, at the top or around a submodule) is written
+    under the keys of the model inside, with its config; any other module whose whole state
+    is one Hugging Face model at some path is refused on every rank naming that path (pass
+    the model itself), never written under the wrapper's keys. DTensors (every placement
+    torch emits but ``Partial``: ``Shard(d)``, ``_StridedShard(d, split_factor)`` in any mesh
+    position -- FSDP2 over TP, EP with FSDP, TP of fused experts -- and ``Replicate``, on
+    meshes of any rank, uneven and empty shards, DTensors on a sub-mesh of the group as
+    replicas over the rest) are assembled from their local shards, each rank's shard placed
+    as the set of row ranges torch's own splitting gives it, with no redistribute; a plain
+    tensor every
     rank holds is written once and its copies never cross the link (dst's own copy with one
     writer; split between its holders where every rank writes: see Writers); a key only some
     ranks hold comes from one that holds it (replicas spread over their holders). A model
@@ -126,8 +135,10 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     whose shards are on the host under NCCL; no rank gathers a full parameter on its GPU.
     Pinned memory: at most three chunks (leased from the package's one pinned pool).
 
-    Failure: arguments that differ between ranks, a bad entry (a ``Partial`` or
-    ``_StridedShard`` DTensor, a dtype or key safetensors cannot store, ranks that disagree on
+    Failure: arguments that differ between ranks, a bad entry (a ``Partial`` DTensor -- the
+    message says to ``redistribute`` it to ``Replicate`` on that mesh dim --, a wrapper's
+    keys that collide once unwrapped, a dtype or key safetensors cannot store, ranks that
+    disagree on
     a key's dtype or shape, blocks that do not tile a tensor exactly), a ``state_dict()`` that
     raises, an allocation or a ``config`` that does not serialize raise on every rank before
     any byte moves; a failure during the transfer (a full disk, a dead peer, Ctrl-C) or the

@@ -106,6 +106,9 @@ class Described:
     plan: tuple | None = None
     args: Any = None  # the call's _Args, agreed in the same round
     digest: bytes = b""  # of keys and sig_ids (a summary's, which has neither)
+    # dst's verdict on whether transformers converts the model's keys on save (None on the
+    # other ranks): one rank builds transformers' table of conversions, not every rank.
+    converts: bool | None = None
 
     def summary(self) -> Described:
         """This without its keys and ids, with their digest: a few hundred bytes whatever
@@ -116,7 +119,8 @@ class Described:
         # JSON: unambiguous whatever the keys hold ("a\0b","c" and "a","b\0c" differ).
         h.update(json.dumps(self.keys, ensure_ascii=False).encode("utf-8", "surrogatepass"))
         h.update(self.sig_ids)
-        return Described(None, None, self.signatures, self.plan, self.args, h.digest())
+        return Described(None, None, self.signatures, self.plan, self.args, h.digest(),
+                         self.converts)
 
 
 def resolve_described(summaries: list[Described], mine: Described, what: str,
@@ -129,7 +133,7 @@ def resolve_described(summaries: list[Described], mine: Described, what: str,
         tables = [(mine.keys, mine.sig_ids)] * len(summaries)
     else:
         tables = all_reduce(f"{what}: keys", lambda: (mine.keys, mine.sig_ids), list, group)
-    return [Described(keys, ids, d.signatures, d.plan, d.args, d.digest)
+    return [Described(keys, ids, d.signatures, d.plan, d.args, d.digest, d.converts)
             for d, (keys, ids) in zip(summaries, tables)]
 
 

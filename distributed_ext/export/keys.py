@@ -238,16 +238,17 @@ def _parts_of(value: _Traced) -> tuple[list[Part], str | None]:
     return parts, None
 
 
-def resolve_written(model: Any, held: dict[str, tuple[torch.dtype, tuple[int, ...]]]
-                    ) -> list[Written]:
+def resolve_written(model: Any, held: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                    converts: bool | None = None) -> list[Written]:
     """The tensors ``save_pretrained`` would write for ``model``'s state ``held`` (in-memory key
     -> dtype and global shape, tied weights already dropped), in transformers' own layout.
 
     Runs ``transformers.core_model_loading.revert_weight_conversion`` -- what
     ``save_pretrained`` runs -- on traced meta stand-ins, so a family added to transformers
     needs nothing here. A model with no conversion (or no transformers) keeps its keys.
+    ``converts``: :func:`has_conversions` of ``model`` where already known (None: found here).
     """
-    if not _has_conversions(model):
+    if not (has_conversions(model) if converts is None else converts):
         return [identity(k, dt, shape) for k, (dt, shape) in held.items()]
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -265,7 +266,7 @@ def resolve_written(model: Any, held: dict[str, tuple[torch.dtype, tuple[int, ..
     return out
 
 
-def _has_conversions(model: Any) -> bool:
+def has_conversions(model: Any) -> bool:
     """Whether transformers would convert ``model``'s keys or weights on save."""
     if model is None or getattr(model, "config", None) is None:
         return False

@@ -99,7 +99,8 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         written = None
         if hub_keys and model is not None:
             written = _keys.resolve_written(model, {
-                k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()})
+                k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()},
+                described[dst_rank].converts)
         entries = plan_entries(holdings, written, dst_rank, ranks, keep, spread)
         check_keys(entries)
         return entries
@@ -117,6 +118,11 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         described = describe_state(state, None if recorded is None else astuple(recorded),
                                    local)
         described.args = _Args(dst, chunk, extra_args)
+        if hub_keys and model is not None and runtime.rank() == dst:
+            # Whether transformers converts this model's keys, decided once, on dst: its
+            # table of conversions (900 regular expressions) costs 0.2 s to build in each
+            # process, which every rank of a host would otherwise pay at once on its cores.
+            described.converts = _keys.has_conversions(model)
         held.update(local=local, model=model, chunk=chunk, described=described)
         return described.summary()
 
