@@ -98,7 +98,7 @@ def test_plot_needs_matplotlib(tmp_path, capsys):
 
 
 def test_memory_is_refused_up_front_with_the_numbers(monkeypatch):
-    monkeypatch.setattr(bench, "available_bytes", lambda: 2 * 2**30)
+    monkeypatch.setattr(bench.resources, "available_bytes", lambda: 2 * 2**30)
     with pytest.raises(SystemExit) as info:
         bench.check_memory(2**30, 2, baseline=True)
     msg = str(info.value)
@@ -110,11 +110,11 @@ def test_every_workload_is_refused_up_front_for_memory_and_disk(monkeypatch, tmp
     import shutil
     from collections import namedtuple
 
-    monkeypatch.setattr(bench, "available_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(bench.resources, "available_bytes", lambda: 8 * 2**30)
     with pytest.raises(SystemExit) as info:  # every rank builds the model: 2 x 100 GiB
         bench.check_memory(100 * 2**30, 2, baseline=True, workload="export")
     assert "--workload export" in str(info.value) and "8 GiB is available" in str(info.value)
-    monkeypatch.setattr(bench, "available_bytes", lambda: 2**40)
+    monkeypatch.setattr(bench.resources, "available_bytes", lambda: 2**40)
     monkeypatch.setenv("DEXT_BENCH_DIR", str(tmp_path))
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, 10 * 2**30))
@@ -142,7 +142,7 @@ def test_from_json_that_is_not_ours_is_a_message_not_a_traceback(tmp_path, capsy
 
 
 def test_export_needs_its_extra_up_front(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "_importable", lambda name: name != "transformers")
+    monkeypatch.setattr(bench.cli, "_importable", lambda name: name != "transformers")
     with pytest.raises(SystemExit):
         bench.parse_args(["--workload", "export"])
     assert "pip install 'distributed_ext[export]'" in capsys.readouterr().err

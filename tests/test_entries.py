@@ -1,4 +1,4 @@
-"""What each rank holds, described and placed (distributed_ext/export/entries.py, blocks.py):
+"""What each rank holds, described and placed (distributed_ext/export/plan/entries.py, plan/blocks.py):
 DTensors on meshes whose ranks are not ascending, keys that hold NUL, tensors with no
 elements, a tied pair half sharded -- each exported on real gloo ranks and compared with
 torch's own ``full_tensor()`` or ``save_pretrained``'s files."""

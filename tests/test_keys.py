@@ -1,4 +1,4 @@
-"""distributed_ext.export.keys in one process: the hub's layout traced through transformers' own
+"""distributed_ext.export.plan.keys in one process: the hub's layout traced through transformers' own
 revert_weight_conversion, checked against that function run on the real tensors."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed_ext.export import keys as _keys
+from distributed_ext.export.plan import keys as _keys
 
 pytest.importorskip("transformers", reason="the key mapping is transformers' own")
 

@@ -1,4 +1,4 @@
-"""Where a DTensor's shard lies (``distributed_ext.export.placements``), checked against torch.
+"""Where a DTensor's shard lies (``distributed_ext.export.plan.placements``), checked against torch.
 
 In one process: every mesh entry's local shape and global index ranges against torch's own
 ``_split_tensor`` of each placement applied in turn (what ``distribute_tensor`` does) and
@@ -24,7 +24,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import distributed_ext as dx
-from distributed_ext.export import placements as P
+from distributed_ext.export.plan import placements as P
 
 MESHES = {2: [(2,), (2, 1), (1, 2), (1, 2, 1)],
           3: [(3,), (3, 1), (1, 3)],

@@ -1,4 +1,4 @@
-"""Publishing a checkpoint (distributed_ext/export/publish.py): the user's directory and what
+"""Publishing a checkpoint (distributed_ext/export/files/publish.py): the user's directory and what
 it holds are never replaced, re-created, re-permissioned or descended through; a crash at any
 instant leaves the earlier checkpoint, the new one or a directory every loader refuses; bad
 directories are refused on every rank, naming the argument."""
@@ -17,7 +17,7 @@ from harness import assert_all_ok, outcome, rename_failing_at, run_ranks
 
 import distributed_ext as dx
 from distributed_ext import export as E
-from distributed_ext.export import publish
+from distributed_ext.export.files import publish
 
 pytest.importorskip("transformers", reason="the publish tests load checkpoints with transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")

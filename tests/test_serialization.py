@@ -326,7 +326,7 @@ def test_huge_counts_do_not_allocate():
     data_off = struct.unpack_from("<Q", blob, 16)[0]
     header_len = struct.unpack_from("<Q", blob, 8)[0]
     tree_tail = blob[32:32 + header_len]
-    idx = tree_tail.rfind(bytes([S.T_BYTES]))
+    idx = tree_tail.rfind(bytes([S.format.T_BYTES]))
     assert idx > 0
     blob[32 + idx + 1 : 32 + idx + 9] = struct.pack("<Q", 2**63 - 1)
     with pytest.raises(ValueError, match="truncated"):
@@ -476,7 +476,7 @@ def test_two_writers_of_one_path_never_mix(tmp_path, monkeypatch):
     states = [{"who": torch.full((2_000_000,), float(k))} for k in range(2)]
     barrier = threading.Barrier(2)
     # Both writers in one process: the same pid, as two containers' processes may have.
-    real = S._write_chunks
+    real = S.encode._write_chunks
 
     class Interleaved:  # each write yields to the other writer, so the two always interleave
         def __init__(self, f):
@@ -491,7 +491,7 @@ def test_two_writers_of_one_path_never_mix(tmp_path, monkeypatch):
         barrier.wait(10)
         real(encoded, Interleaved(f), 2**16)
 
-    monkeypatch.setattr(S, "_write_chunks", slow_write)
+    monkeypatch.setattr(S.encode, "_write_chunks", slow_write)
     threads = [threading.Thread(target=S.write_state, args=(s, path)) for s in states]
     for t in threads:
         t.start()
@@ -519,16 +519,16 @@ def _many_scalar_records(n):
     import array as _array
 
     storage_table = struct.pack("<I", 1) + struct.pack("<QQ", 0, 4)
-    tensor_table = struct.pack("<I", n) + S._TENSOR.pack(1, 0, 0, 0) * n
+    tensor_table = struct.pack("<I", n) + S.format._TENSOR.pack(1, 0, 0, 0) * n
     refs = _array.array("I", range(n)).tobytes()
-    tree = bytearray(struct.pack("<BI", S.T_LIST, n))
+    tree = bytearray(struct.pack("<BI", S.format.T_LIST, n))
     tags = bytearray(5 * n)
-    tags[0::5] = bytes([S.T_TENSOR]) * n
+    tags[0::5] = bytes([S.format.T_TENSOR]) * n
     for k in range(4):
         tags[1 + k :: 5] = refs[k::4]
     blob = storage_table + tensor_table + bytes(tree) + bytes(tags)
-    data_off = (S._PREAMBLE.size + len(blob) + 63) // 64 * 64
-    pre = S._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 4)
+    data_off = (S.format._PREAMBLE.size + len(blob) + 63) // 64 * 64
+    pre = S.format._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 4)
     return (pre + blob).ljust(data_off, b"\0") + bytes(4)
 
 
@@ -562,9 +562,9 @@ def test_decoding_memory_is_bounded_for_many_tensor_records():
 def _storage_table_bomb(n_storages):
     """A buffer whose storage table holds n_storages records over a tiny data region."""
     storage_table = struct.pack("<I", n_storages) + struct.pack("<QQ", 0, 1) * n_storages
-    blob = storage_table + struct.pack("<I", 0) + bytes([S.T_NONE])
-    data_off = (S._PREAMBLE.size + len(blob) + 63) // 64 * 64
-    pre = S._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 64)
+    blob = storage_table + struct.pack("<I", 0) + bytes([S.format.T_NONE])
+    data_off = (S.format._PREAMBLE.size + len(blob) + 63) // 64 * 64
+    pre = S.format._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 64)
     return (pre + blob).ljust(data_off, b"\0") + bytes(64)
 
 
@@ -579,9 +579,9 @@ def test_a_storage_table_bomb_is_refused_without_allocating():
 def test_overlapping_storages_are_refused():
     # Two storages at the same offset: a writer never does this.
     storage_table = struct.pack("<I", 2) + struct.pack("<QQ", 0, 64) * 2
-    blob = storage_table + struct.pack("<I", 0) + bytes([S.T_NONE])
-    data_off = (S._PREAMBLE.size + len(blob) + 63) // 64 * 64
-    buf = (S._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 128)
+    blob = storage_table + struct.pack("<I", 0) + bytes([S.format.T_NONE])
+    data_off = (S.format._PREAMBLE.size + len(blob) + 63) // 64 * 64
+    buf = (S.format._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 128)
            + blob).ljust(data_off, b"\0") + bytes(128)
     with pytest.raises(ValueError, match="overlap or are out of order"):
         S.decode_state(buf)
@@ -620,8 +620,8 @@ def test_read_state_reads_exactly_the_declared_length(tmp_path):
 
 def test_a_lying_preamble_does_not_allocate_what_it_claims(tmp_path):
     buf = bytearray(S.write_state({"a": torch.ones(4)}))
-    _m, v, fl, hl, off, _n = S._PREAMBLE.unpack_from(buf)
-    S._PREAMBLE.pack_into(buf, 0, S.MAGIC, v, fl, hl, off, 2**40)  # claims a terabyte
+    _m, v, fl, hl, off, _n = S.format._PREAMBLE.unpack_from(buf)
+    S.format._PREAMBLE.pack_into(buf, 0, S.MAGIC, v, fl, hl, off, 2**40)  # claims a terabyte
     before = _rss()
     with pytest.raises(ValueError, match="ended after"):
         S.read_state(_Pipe(memoryview(bytes(buf))))
@@ -720,9 +720,9 @@ def test_encoded_surrogates_are_refused_and_lone_surrogates_never_written():
     buf[pos - 4 : pos + 2] = struct.pack("<I", 3) + b"\xed\xa0"  # \ud800 in surrogatepass
     buf.insert(pos + 2, 0x80)
     # Fix the header length for the inserted byte.
-    _m, v, fl, hl, off, n = S._PREAMBLE.unpack_from(buf)
+    _m, v, fl, hl, off, n = S.format._PREAMBLE.unpack_from(buf)
     del buf[off : off + 1]  # keep the total length: drop one padding byte before data
-    S._PREAMBLE.pack_into(buf, 0, S.MAGIC, v, fl, hl + 1, off, n)
+    S.format._PREAMBLE.pack_into(buf, 0, S.MAGIC, v, fl, hl + 1, off, n)
     with pytest.raises(ValueError, match="not valid UTF-8"):
         S.decode_state(buf)
     with pytest.raises(TypeError, match=r"state\['k'\] is a str that is not valid Unicode"):
@@ -733,18 +733,18 @@ def test_encoded_surrogates_are_refused_and_lone_surrogates_never_written():
 
 def _tree_bomb(item, n):
     """A list of n copies of one encoded value (item: its bytes), built directly."""
-    blob = struct.pack("<I", 0) + struct.pack("<I", 0) + struct.pack("<BI", S.T_LIST, n) + item * n
-    data_off = (S._PREAMBLE.size + len(blob) + 63) // 64 * 64
-    pre = S._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 0)
+    blob = struct.pack("<I", 0) + struct.pack("<I", 0) + struct.pack("<BI", S.format.T_LIST, n) + item * n
+    data_off = (S.format._PREAMBLE.size + len(blob) + 63) // 64 * 64
+    pre = S.format._PREAMBLE.pack(S.MAGIC, S.VERSION, 0, len(blob), data_off, 0)
     return (pre + blob).ljust(data_off, b"\0")
 
 
 @pytest.mark.parametrize("item", [
-    bytes([S.T_NONE]),  # an 8-byte list slot per byte
-    struct.pack("<BI", S.T_LIST, 0),  # an empty list object per 5 bytes
-    struct.pack("<BI", S.T_DICT, 0),  # an empty dict per 5 bytes
-    struct.pack("<BI", S.T_STR, 1) + b"a",  # a one-character str per 6 bytes
-    struct.pack("<Bd", S.T_FLOAT, 0.5),
+    bytes([S.format.T_NONE]),  # an 8-byte list slot per byte
+    struct.pack("<BI", S.format.T_LIST, 0),  # an empty list object per 5 bytes
+    struct.pack("<BI", S.format.T_DICT, 0),  # an empty dict per 5 bytes
+    struct.pack("<BI", S.format.T_STR, 1) + b"a",  # a one-character str per 6 bytes
+    struct.pack("<Bd", S.format.T_FLOAT, 0.5),
 ], ids=["none", "list", "dict", "str", "float"])
 def test_value_tree_memory_stays_within_16x_the_buffer(item):
     import gc

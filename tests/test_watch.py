@@ -265,7 +265,7 @@ def _store_host_killed(port, world, where, death_file):
                 threading.Timer(0.5, die).start()
             dx.gather_bytes(bytes(2**30), 0, chunk_bytes=2**20)
         else:
-            import distributed_ext.export.sinks as sinks
+            import distributed_ext.export.files.sinks as sinks
 
             if rank == 0:
                 real = sinks.FileSink.write_batch

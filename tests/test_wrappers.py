@@ -1,4 +1,4 @@
-"""Models exported through the wrappers users hold (distributed_ext.export.wrappers), on real
+"""Models exported through the wrappers users hold (distributed_ext.export.plan.wrappers), on real
 gloo ranks: ``torch.compile`` (of the model, and of one layer inside it) and DDP are written as
 ``save_pretrained`` writes the model inside; any other module around a Hugging Face model is
 refused on every rank, naming it."""

@@ -13,12 +13,12 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
-from distributed_ext.export.pieces import Entry
-from distributed_ext.export.publish import check_directory
+from distributed_ext.export.files.publish import check_directory
+from distributed_ext.export.files.sinks import FileSink, MemorySink
+from distributed_ext.export.files.writers import WRITERS, check_writers
+from distributed_ext.export.plan.safetensors import layout_files, parse_shard_size
+from distributed_ext.export.plan.types import Entry
 from distributed_ext.export.rounds import _export
-from distributed_ext.export.safetensors import layout_files, parse_shard_size
-from distributed_ext.export.sinks import FileSink, MemorySink
-from distributed_ext.export.writers import WRITERS, check_writers
 
 __all__ = ["export_hf_checkpoint", "gather_full_state"]
 

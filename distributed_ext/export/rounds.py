@@ -8,7 +8,7 @@
 2. Plan, computed alike on every rank from that metadata: who holds which block of each
    in-memory tensor (a DTensor's blocks computed locally from its shape, mesh and
    placements), the tensors to write (for a model, the hub's layout that ``save_pretrained``
-   writes: :mod:`distributed_ext.export.keys`, each written tensor a set of boxes of in-memory
+   writes: :mod:`plan.keys`, each written tensor a set of boxes of in-memory
    tensors), and for each, which rank sends which block (replicas once: dst's own copy if it
    has one, else the least-loaded holder's; a model's recorded
    :class:`~distributed_ext.DistributionPlan` is checked against what the ranks hold), and
@@ -16,8 +16,8 @@
    the tensor, or whose conversion cannot be streamed.
 3. Preparing round: dst makes the files in a hidden stage inside the directory (or
    allocates the full tensors); a failure raises on every rank. With ``writers="all"``
-   (:mod:`.writers`) every rank then opens them to write its own long runs itself, and
-   the ranks agree who writes each block their runs share (:mod:`.edges`: the blocks dealt
+   (:mod:`files.writers`) every rank then opens them to write its own long runs itself, and
+   the ranks agree who writes each block their runs share (:mod:`transport.shared_blocks`: the blocks dealt
    out, each rank planning the owners of ~1/W of them).
 4. Data: each rank's pieces travel as the messages of :func:`plan_messages` -- large pieces
    in ``chunk_bytes`` pieces from their own memory, small ones packed by the compiled core --
@@ -45,26 +45,25 @@ import torch.nn as nn
 
 from distributed_ext import _agree, _watch, runtime
 from distributed_ext.collectives import _require_group_if_launched, all_reduce
-from distributed_ext.export import edges as _edges
-from distributed_ext.export import keys as _keys
-from distributed_ext.export.entries import (
+from distributed_ext.export.files.publish import _commit_round
+from distributed_ext.export.files.sinks import FileSink
+from distributed_ext.export.files.writers import resolve_writers
+from distributed_ext.export.plan import keys as _keys
+from distributed_ext.export.plan.entries import (
     Described,
     _Args,
-    _check_args,
     describe_state,
-    resolve_described,
     resolve_state,
 )
-from distributed_ext.export.holdings import agree_plan, merge_holdings
-from distributed_ext.export.messages import pack_cap
-from distributed_ext.export.pieces import Entry, check_keys, plan_entries
-from distributed_ext.export.prepare import _prepare_transfer
-from distributed_ext.export.publish import _commit_round
-from distributed_ext.export.safetensors import _DTYPE_BY_NAME
-from distributed_ext.export.sinks import FileSink
-from distributed_ext.export.stop import StopSignal
-from distributed_ext.export.transfer import EXPORT_CHUNK_BYTES, _write_data, _write_own
-from distributed_ext.export.writers import resolve_writers
+from distributed_ext.export.plan.holdings import agree_plan, merge_holdings
+from distributed_ext.export.plan.messages import pack_cap
+from distributed_ext.export.plan.pieces import check_keys, plan_entries
+from distributed_ext.export.plan.safetensors import _DTYPE_BY_NAME
+from distributed_ext.export.plan.types import Entry
+from distributed_ext.export.transport import shared_blocks as _edges
+from distributed_ext.export.transport.prepare import _prepare_transfer
+from distributed_ext.export.transport.stop import StopSignal
+from distributed_ext.export.transport.transfer import EXPORT_CHUNK_BYTES, _write_data, _write_own
 from distributed_ext.plan import recorded_plan
 
 
@@ -77,7 +76,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     """The rounds of the module docstring; returns (dst's sink, the model).
 
     ``make_sink(entries, model, join)`` runs on dst in the preparing round (its failure is
-    agreed); with ``writers`` "all" or "auto" (:mod:`.writers`), where every rank sees dst's
+    agreed); with ``writers`` "all" or "auto" (:mod:`files.writers`), where every rank sees dst's
     stage, it runs on every other rank too, with ``join`` that stage's path. With ``commit``,
     dst commits the sink in a last round that every rank joins, so that no rank returns
     before the checkpoint is in place and a failed commit is raised on every rank.
@@ -246,3 +245,32 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         if commit:
             _commit_round(sink, ctx, deferred, what)
     return sink, model
+
+
+def resolve_described(summaries: list[Described], mine: Described, what: str,
+                      group: dist.ProcessGroup | None) -> list[Described]:
+    """Every rank's Described from the ranks' summaries (the same on every rank): where all
+    digests are equal, each rank's keys are this rank's own (nothing more is sent); else
+    the keys and ids are exchanged in one more agreed round, which every rank joins (every
+    rank sees the same digests)."""
+    if all(d.digest == summaries[0].digest for d in summaries):
+        tables = [(mine.keys, mine.sig_ids)] * len(summaries)
+    else:
+        tables = all_reduce(f"{what}: keys", lambda: (mine.keys, mine.sig_ids), list, group)
+    return [Described(keys, ids, d.signatures, d.plan, d.args, d.digest, d.converts)
+            for d, (keys, ids) in zip(summaries, tables)]
+
+
+def _check_args(described: list[Described], ctx: _agree.GroupContext, what: str) -> None:
+    """ValueError on every rank alike if the ranks passed different arguments."""
+    first = described[0].args
+    for name, index in [("dst", None), ("chunk_bytes", None)] + [
+            (n, i) for i, (n, _v) in enumerate(first.extra)]:
+        if index is None:
+            values = [getattr(d.args, name) for d in described]
+        else:
+            values = [d.args.extra[index][1] for d in described]
+        if any(v != values[0] for v in values):
+            listing = ", ".join(f"rank {ctx.ranks[r]}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"{what}: {name} differs between ranks ({listing}); every rank "
+                             f"must pass the same {name}")

@@ -1,0 +1,111 @@
+"""The TP layout: Shard(1) rows, writers="all" beside writers="dst" and torch's
+full_tensor() route, with the bytes each rank wrote and sent; the route table the layout
+scenarios share."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from distributed_ext._timing import Timing
+from distributed_ext.bench.many import _save_full_tensors
+from distributed_ext.bench.measure import routes_in_fresh_ranks
+from distributed_ext.bench.resources import RankIO, _filesystem, _load_text
+from distributed_ext.bench.sizes import format_size
+
+TP_ROUTES = ("writers=all", "writers=dst", "torch full_tensor()+save_file")
+
+
+def _tp_rank(route: str, size: int, run: int, base: str, repeat: int) -> dict | None:
+    """In each fresh rank: a TP layout of ``size`` bytes -- 16 fp32 ``Shard(1)`` DTensors,
+    each rank's part of a row ``run`` bytes -- exported ``1 + repeat`` times by ``route``;
+    dst's Timing and every rank's bytes written and sent (the first call's) as a dict on
+    dst, None elsewhere."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    cols = run // 4 * world
+    rows = max(1, size // 16 // (cols * 4))
+    state = {f"model.layers.{i}.w": distribute_tensor(torch.randn(rows, cols, generator=g),
+                                                      mesh, [Shard(1)]) for i in range(16)}
+
+    def save(path: str) -> None:
+        _save_full_tensors(state, path)
+
+    return _time_routes(route, state, save, os.path.join(base, f"dext-tp-{os.getppid()}"),
+                        repeat)
+
+
+def _time_routes(route: str, model: Any, baseline: Any, out: str, repeat: int) -> dict | None:
+    """``model`` exported ``1 + repeat`` times by ``route`` (``writers=...``: ours; else
+    ``baseline(path)``), into fresh directories ``out-<i>`` that dst removes; dst's Timing
+    and every rank's bytes written and sent in the first call, on dst (None elsewhere)."""
+    import shutil
+    from dataclasses import asdict
+
+    import torch.distributed as dist
+
+    import distributed_ext as dx
+    from distributed_ext._timing import time_calls
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    moved: list[RankIO] = []
+
+    def call(i: int) -> None:
+        path = f"{out}-{i}"
+        with RankIO() as counted:
+            if route.startswith("writers="):
+                dx.export_hf_checkpoint(model, path, writers=route.split("=")[1])
+            else:
+                baseline(path)
+        moved.append(counted)
+
+    def after(i: int, _value: None) -> None:
+        if rank == 0:
+            shutil.rmtree(f"{out}-{i}", ignore_errors=True)
+
+    timing = time_calls(call, repeat, sync=dist.barrier, after=after)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (moved[0].written, moved[0].sent))  # (our own counts)
+    return {"timing": asdict(timing), "io": every} if rank == 0 else None
+
+
+def measure_tp(world: int, size: int, run: int, repeat: int, base: str
+               ) -> list[tuple[str, Timing, list]]:
+    """Each route of :data:`TP_ROUTES` in fresh local ranks (:func:`_tp_rank`)."""
+    return routes_in_fresh_ranks("TP layout", TP_ROUTES, _tp_rank, world, size, run, base,
+                                 repeat)
+
+
+def format_tp(rows: list[tuple[str, Timing, list]], world: int, size: int, run: int,
+              base: str, load: tuple[float, float, float]) -> list[str]:
+    lines = [f"TP layout: world {world} on gloo, 16 fp32 Shard(1) DTensors, "
+             f"{format_size(size)} in all, each rank's part of a row {run} bytes; writing to "
+             f"{base} ({_filesystem(base)}); {_load_text(load)}", *_route_table(rows)]
+    get = {r: t for r, t, _io in rows}
+    ours, one, torch_route = (get[r] for r in TP_ROUTES)
+    for label, a, b in (("writers=dst / writers=all", one, ours),
+                        ("torch's route / writers=all", torch_route, ours)):
+        lines.append(f"  {label}: first call {a.first / b.first:.2f}x, "
+                     f"warm {a.median / b.median:.2f}x")
+    return lines
+
+
+def _route_table(rows: list[tuple[str, Timing, list]]) -> list[str]:
+    """One row per route: first call, warm median and min-max, and each rank's MB written to
+    files and sent in the first call (ours; the disk's rows: written; a baseline's are not
+    known apart from its sockets' writes: "-")."""
+    lines = ["| route | first call s | warm median s | warm min-max s | "
+             "per rank, first call: MB written to files / MB sent |",
+             "|---|---|---|---|---|"]
+    for route, t, counts in rows:
+        ours, disk = route.startswith("writers="), route.startswith("disk")
+        per_rank = ", ".join((f"{w / 1e6:.0f}" if ours or disk else "-") + "/"
+                             + (f"{n / 1e6:.0f}" if ours else "-") for w, n in counts)
+        lines.append(f"| {route} | {t.first:.3f} | {t.median:.3f} | {t.low:.3f}-{t.high:.3f} "
+                     f"| {per_rank} |")
+    return lines

@@ -1,0 +1,58 @@
+"""The plan's shared types, at the bottom of the export: a tensor as the checkpoint holds it
+(:class:`Entry`) and the blocks it is assembled from (:class:`Piece`). Every layer above
+(the plan, the files, the transport, the rounds) speaks in these."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from distributed_ext.export.plan.blocks import Block, Runs, _piece_runs
+
+
+@dataclass(slots=True)
+class Piece:
+    """A block of a written tensor that ``rank`` sends (in plan order).
+
+    ``block`` is in the written tensor's coordinates. The bytes come from the in-memory tensor
+    ``source`` (empty: its entry's ``source``)'s local block on ``rank``: all of it
+    (``local`` None), or ``local`` (slices in the local block's coordinates) with its dims
+    taken in ``perm`` order. Pieces of a whole in-memory tensor name no source: one list of
+    them serves every entry of a signature (immutable once planned).
+    """
+
+    rank: int  # group rank
+    block: Block
+    nbytes: int  # the block's bytes
+    source: str = ""
+    local: tuple[slice, ...] | None = None
+    perm: tuple[int, ...] | None = None
+    _runs: Runs | None = field(default=None, repr=False, compare=False)
+
+    def runs(self, entry: Entry) -> Runs:
+        """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once."""
+        if self._runs is None:
+            self._runs = _piece_runs(self.block, entry.shape, entry.dtype.itemsize)
+        return self._runs
+
+
+@dataclass(slots=True)
+class Entry:
+    """A tensor as the checkpoint holds it, and the pieces it is assembled from."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)  # shared between entries: never mutate
+    index: int = 0  # its position in the plan (how sinks and row tables name it)
+    source: str = ""  # the in-memory tensor its pieces read, where they do not name one
+    # writers="all": its runs are short and interleaved (a Shard(1)/TP layout, replicated
+    # or not), so each region of it is written by the sender of most of its bytes
+    # (:mod:`plan.tp_regions`); every rank then knows every sender's piece of it
+    zoned: bool = False
+    nbytes: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize

@@ -1,0 +1,235 @@
+"""The data round: each sender's messages streamed to dst while dst writes its own pieces
+(every buffer allocated before, :mod:`transport.prepare`); a sender and dst's receiver are separate
+paths that run on their own ranks. With every rank writing, each then writes its own long
+runs (short ones go to dst, but a TP layout's rows: to their region's owner,
+:mod:`plan.tp_regions`), and the blocks runs share go to their owners (:mod:`transport.shared_blocks`)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distributed_ext import _agree, _direct_io, _watch
+from distributed_ext.export.plan.messages import Segment, _message_nbytes, _placement, _rows
+from distributed_ext.export.transport import shared_blocks as _edges
+from distributed_ext.export.transport.prepare import _Prepared
+from distributed_ext.export.transport.stager import _Stager
+from distributed_ext.export.transport.stop import StopSignal
+
+EXPORT_CHUNK_BYTES = 16 * 2**20
+
+
+def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
+               middles: bool = False, stop: StopSignal | None = None) -> None:
+    """Writes this rank's own pieces to the sink, message by message (:func:`plan_messages`):
+    small pieces packed, so the files see one batch of runs per chunk, not one call per
+    tensor; GPU bytes through the stager's pinned slot (never a whole block on the host).
+    ``middles`` (``writers="all"``, the pieces it writes itself): only the whole aligned
+    blocks inside each run; their ends are written by the blocks' owners (:mod:`transport.shared_blocks`).
+    ``stop``: read between messages; once some rank failed, the rest is not written (no
+    peer waits on these writes). A failure here is raised; the caller that holds it back
+    for the agreeing round raises ``stop`` for the others."""
+    if not messages:
+        return
+    write = sink.write_middles if middles else sink.write_batch
+    for message in messages:
+        if stop is not None and stop.seen():
+            return
+        data, _keep = stager.stage(message, 0, _placement(sink, message))
+        if stager.failure is not None:
+            raise stager.failure
+        write(data, _rows(message))
+
+
+# Buffers of transfers that were posted when a peer failed: the transport may still read or
+# write them, so they are never freed (the group is unusable by then anyway).
+_ABANDONED: list[Any] = []
+
+
+def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
+              ctx: _agree.GroupContext, dst_rank: int, what: str) -> None:
+    """Moves every piece to dst's sink: dst's own directly, the others' over the link.
+
+    Each rank's pieces travel as the messages of :func:`plan_messages`: a large piece's from
+    its own memory, small pieces packed by the compiled core into one chunk. The link carries
+    host chunks on a CPU backend (gloo) and device chunks on NCCL; bytes that live elsewhere
+    than the link wants cross over chunk by chunk (:class:`_Stager`): a GPU shard through
+    pinned slots to gloo, a host shard through device slots to NCCL, and on dst a received
+    device chunk through a pinned slot to the sink. No block is ever copied whole. Every
+    buffer was allocated by :func:`_prepare_transfer`; the pinned ones are released here
+    (kept forever where a peer failed with transfers posted).
+    """
+    me = ctx.rank
+    on_device = ctx.device.type == "cuda"
+    if prepared.gpu_shards:
+        # Our threads copy on their own (default) streams: whatever the caller's streams
+        # still compute into the shards lands first.
+        torch.cuda.synchronize()
+
+    def body(_worker: Any) -> None:
+        if on_device:
+            torch.cuda.set_device(ctx.device)  # a new thread starts on GPU 0
+        if me != dst_rank:
+            _send()
+        else:
+            _receive()
+
+    def _send() -> None:
+        in_flight: collections.deque = collections.deque()  # two sends, with what they read
+        stager = prepared.stager
+        done = False
+
+        def wait_oldest() -> None:
+            work, _keep = in_flight.popleft()
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - names the receiver
+                _ABANDONED.append((in_flight, stager.abandon()))
+                raise _watch.PeerFailure(ctx.ranks[dst_rank], exc) from exc
+
+        try:
+            for i, message in enumerate(prepared.messages):
+                if len(in_flight) == 2:
+                    wait_oldest()  # its slot is free again
+                data, keep = stager.stage(message, i % 3)
+                in_flight.append((dist.isend(data, ctx.ranks[dst_rank], group=ctx.group),
+                                  keep))
+            while in_flight:
+                wait_oldest()
+            if on_device:
+                torch.cuda.current_stream(ctx.device).synchronize()  # every send has left
+            done = True
+        finally:
+            if done:
+                prepared.release()
+        if stager.failure is not None:
+            raise _watch.LocalFailure(stager.failure)
+
+    def _receive() -> None:
+        failures: list[BaseException] = []  # the first is raised; appended from two threads
+        pinned, plans, free = prepared.pinned, prepared.plans, prepared.free
+
+        def write(message: list[Segment], data: torch.Tensor) -> None:
+            # A sink that fails (a full disk) stops writing, but dst keeps receiving, so no
+            # sender is left blocked; the failure is raised once everything has arrived.
+            if failures:
+                return
+            try:
+                sink.write_batch(data, _rows(message))
+            except BaseException as exc:  # noqa: BLE001
+                failures.append(exc)
+                if prepared.stop is not None:  # (the others' own writes stop)
+                    prepared.stop.post()
+
+        def write_own() -> None:
+            if on_device:
+                torch.cuda.set_device(ctx.device)
+            try:
+                _write_own(prepared.stager, sink, prepared.messages)
+                _write_own(prepared.stager, sink, prepared.local_messages, middles=True,
+                           stop=prepared.stop)
+            except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
+                failures.append(exc)
+                if prepared.stop is not None:  # (the others' own writes stop)
+                    prepared.stop.post()
+
+        # Two receives in flight per sender, each written as it lands, while a second thread
+        # writes dst's own pieces: the link, the disk and the senders all keep busy.
+        pending: dict[int, collections.deque] = {r: collections.deque() for r in plans}
+
+        def post(r: int) -> None:
+            while plans[r] and free[r]:
+                message = plans[r].popleft()
+                n = _message_nbytes(message)
+                raw = free[r].pop()
+                if on_device:
+                    buf = raw[:n]
+                else:
+                    # Placed as aligned as its place in the file: written direct, no copy.
+                    buf = _direct_io.place(raw, n, _placement(sink, message))
+                work = dist.irecv(buf, ctx.ranks[r], group=ctx.group)
+                pending[r].append((work, raw, buf, message))
+
+        for r in plans:
+            post(r)
+        own = threading.Thread(target=write_own, name=f"distributed_ext {what} (own pieces)",
+                               daemon=True)
+        own.start()
+        clean = False
+        try:
+            while any(pending.values()):
+                for r in plans:
+                    if not pending[r]:
+                        continue
+                    work, raw, buf, message = pending[r].popleft()
+                    try:
+                        work.wait()
+                    except BaseException as exc:  # noqa: BLE001 - names the sender
+                        # Receives still posted keep writing into their buffers: keep them.
+                        _ABANDONED.append((pending, free, pinned))
+                        raise _watch.PeerFailure(ctx.ranks[r], exc) from exc
+                    if on_device:
+                        assert pinned is not None
+                        host = pinned.view(1, buf.numel(), _placement(sink, message))
+                        host.copy_(buf)  # stream-ordered after the receive; host waits
+                        write(message, host)
+                    else:
+                        write(message, buf)
+                    free[r].append(raw)
+                    post(r)
+            clean = True
+        finally:
+            own.join()  # its writes end before anything closes the sink's files
+            if clean:
+                prepared.release()
+        if failures:
+            raise _watch.LocalFailure(failures[0])
+
+    _watch.run_watched(body, ctx.ranks, what)
+
+
+def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
+                ctx: _agree.GroupContext, dst_rank: int, what: str
+                ) -> BaseException | None:
+    """The data round on this rank: its messages to dst (:func:`_transfer`); with
+    ``writers="all"`` then its own runs written (a sender's), the shared blocks'
+    fragments to their owners (:func:`transport.shared_blocks.exchange`) and what it wrote made durable.
+
+    Returns this rank's failure (a full disk, a piece that failed to read), for the caller
+    to agree; raises :class:`~distributed_ext._watch.PeerFailure` for a peer's."""
+    failure: BaseException | None = None
+    try:
+        try:
+            _transfer(state, prepared, sink, ctx, dst_rank, what)
+            if prepared.local_messages and ctx.rank != dst_rank:  # (dst's: in _transfer)
+                _write_own(prepared.start_local(state), sink, prepared.local_messages,
+                           middles=True, stop=prepared.stop)
+        except _watch.PeerFailure:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - this rank's: agreed by the caller
+            failure = exc
+            if prepared.stop is not None:
+                prepared.stop.post()
+        finally:
+            prepared.release_local()
+        edge_plan = prepared.edges
+        # Its peers wait on this rank's fragments: it takes part whatever failed here
+        # (writing nothing then), unless the group is gone (a rank found dead; asked only
+        # after a failure, as posted_failure wants).
+        if edge_plan is not None and edge_plan.stager is not None and \
+                (failure is None or _watch.posted_failure() is None):
+            _edges.exchange(edge_plan, sink if failure is None else None, ctx, what,
+                            prepared.stop)
+        if failure is None and ctx.rank != dst_rank and sink is not None:
+            sink.finish()
+    except _watch.PeerFailure:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        failure = failure or exc
+        if prepared.stop is not None:
+            prepared.stop.post()
+    return failure

@@ -1,0 +1,174 @@
+"""The export's pure plan in one process: blocks that tile a tensor, runs as arithmetic,
+the header safetensors writes, entries refused by key, and each rank's plan equal to the
+whole plan."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from harness import assert_all_ok, run_ranks
+
+from distributed_ext import export as E
+
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
+
+
+@pytest.mark.parametrize("sizes, chunk, expected", [
+    ([1024] * 5, 4096, [[1024] * 4, [1024]]),  # small pieces packed, up to a chunk
+    ([3 * 2**20, 512, 512], 16 * 2**20, [[3 * 2**20], [512, 512]]),  # over PACK_BYTES: alone
+    ([10_000, 100, 0, 100], 4096, [[4096], [4096], [1808], [100, 100]]),  # large: in chunks
+    ([0], 4096, []),
+])
+def test_plan_messages_packs_small_pieces_and_never_plans_an_empty_message(sizes, chunk,
+                                                                          expected):
+    items = []
+    for i, n in enumerate(sizes):
+        e = E.Entry(f"k{i}", torch.uint8, (n,))
+        p = E.Piece(1, E.Block((0,), (n,)), n, e.key)
+        e.pieces.append(p)
+        items.append((e, p))
+    messages = E.plan_messages(items, chunk)
+    assert [[seg[3] for seg in m] for m in messages] == expected
+    assert all(m for m in messages)
+    # Every byte of every piece exactly once, in order.
+    flat = [(seg[0].key, seg[2], seg[3]) for m in messages for seg in m]
+    for key in {k for k, _s, _n in flat}:
+        spans = [(s, n) for k, s, n in flat if k == key]
+        assert [s for s, _n in spans] == list(itertools.accumulate(
+            [0] + [n for _s, n in spans[:-1]]))
+
+
+@pytest.mark.parametrize("blocks, shape, exact", [
+    ([((0,), (6,)), ((6,), (4,))], (10,), True),
+    ([((0,), (6,)), ((4,), (4,))], (10,), False),  # the counts add up (10), yet overlap
+    ([((0, 0), (2, 3)), ((2, 0), (2, 3)), ((0, 3), (4, 3))], (4, 6), True),  # not a grid
+    ([((0, 0), (2, 3)), ((1, 0), (2, 3)), ((0, 3), (4, 3))], (5, 6), False),
+    ([((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))], (4, 4), True),
+    ([((0,), (5,)), ((6,), (5,))], (10,), False),  # outside the tensor
+])
+def test_blocks_must_tile_the_tensor_exactly(blocks, shape, exact):
+    assert E._tiles_exactly([E.Block(o, s) for o, s in blocks], shape) is exact
+
+
+def test_runs_are_arithmetic_and_every_segment_maps_to_the_right_bytes():
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    for _ in range(200):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        offset = tuple(rng.randint(0, s - 1) for s in shape)
+        size = tuple(rng.randint(1, s - o) for s, o in zip(shape, offset))
+        itemsize = rng.choice([1, 2, 4])
+        block = E.Block(offset, size)
+        runs = E.block_runs(block, shape, itemsize)
+        # The reference: the block's elements in its row-major order, by torch's indexing.
+        want = torch.arange(math.prod(shape)).reshape(shape)[
+            tuple(slice(o, o + n) for o, n in zip(offset, size))].reshape(-1)
+        nbytes = block.numel * itemsize
+        cuts = sorted(rng.sample(range(1, nbytes), min(3, nbytes - 1))) + [nbytes]
+        seen, start = [], 0
+        for cut in cuts:  # as messages split it
+            for where, at, m in runs.pieces(start, cut - start, start):
+                seen += [(at + k, where + k) for k in range(m)]
+            # ... and as a table (the same rows, computed with tensors)
+            assert runs.table(start, cut - start, start + 7).tolist() == \
+                [[w, a + 7, m] for w, a, m in runs.pieces(start, cut - start, start)]
+            start = cut
+        assert sorted(a for a, _w in seen) == list(range(nbytes))
+        for at, where in seen:
+            assert where // itemsize == want[at // itemsize] and where % itemsize == at % itemsize
+    # An expert-TP block of 65536 runs is a few integers, not a list of them.
+    tracemalloc.start()
+    runs = E.block_runs(E.Block((0, 0, 512), (64, 1024, 512)), (64, 1024, 2048), 2)
+    _current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(runs) == 65536 and peak < 16 * 1024, peak
+
+
+def test_the_header_is_the_json_safetensors_writes():
+    # Quotes, backslashes, non-ASCII, a scalar, an empty tensor: the text json.dumps makes
+    # of the same header dict, which safetensors parses back.
+    specs = [("a.b", torch.float32, (3, 4)), ('we"ird\\kéy', torch.bfloat16, ()),
+             ("ünï", torch.int8, (0, 5)), ("x" * 300, torch.float64, (1,))]
+    entries = [E.Entry(k, d, s, index=i) for i, (k, d, s) in enumerate(specs)]
+    head, offsets = E.safetensors_header(entries)
+    meta, pos = {"__metadata__": {"format": "pt"}}, 0
+    for e in entries:
+        meta[e.key] = {"dtype": E.SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                       "data_offsets": [pos, pos + e.nbytes]}
+        pos += e.nbytes
+    text = json.dumps(meta, separators=(",", ":"))
+    assert head[8:].rstrip(b" ").decode() == text
+    assert int.from_bytes(head[:8], "little") == len(head) - 8 and len(head) % 8 == 0
+    assert offsets["a.b"] == len(head)
+
+
+def _described_refusals():
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    good = DTensor.from_local(torch.ones(4), mesh, [Shard(0)])
+    cases = {
+        "shard shape": DTensor.from_local(torch.ones(3), mesh, [Shard(0)], run_check=False,
+                                          shape=torch.Size([4]), stride=(1,)),
+        "negated shard": DTensor.from_local(torch.ones(4, dtype=torch.complex64).conj().imag,
+                                            mesh, [Shard(0)]),
+        "sparse": torch.ones(3).to_sparse(),
+        "meta": torch.empty(3, device="meta"),
+        "not a tensor": 3.0,
+        "dtype": torch.ones(2, dtype=torch.complex128),
+    }
+    out = {}
+    for name, bad in cases.items():
+        # After entries of the same signature, so that a check made once per signature
+        # cannot let a later entry through.
+        state = {"a": good, "b": torch.ones(3), "bad": bad}
+        try:
+            E.describe_state(state)
+            out[name] = ("ok",)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out[name] = (type(exc).__name__, str(exc))
+    local: dict = {}
+    described = E.describe_state({"a": good, "b": torch.ones(3)}, None, local)
+    return out, described.sig_ids, local["a"] is good._local_tensor, local["b"].tolist()
+
+
+def test_describe_refuses_each_entry_it_cannot_write_naming_its_key():
+    (out, ids, same, b), = assert_all_ok(run_ranks(_described_refusals, 1))
+    expected = {
+        "shard shape": ("ValueError", "its local shard has shape (3,), but its placements say (4,)"),
+        "negated shard": ("ValueError", "lazily negated view"),
+        "sparse": ("TypeError", "sparse_coo or meta tensor"),
+        "meta": ("TypeError", "meta tensor"),
+        "not a tensor": ("TypeError", "is a float, not a tensor"),
+        "dtype": ("TypeError", "complex128, which safetensors cannot store"),
+    }
+    for name, (kind, text) in expected.items():
+        assert out[name][0] == kind and text in out[name][1] and "'bad'" in out[name][1], \
+            (name, out[name])
+    assert len(ids) == 2 * 4 and same and b == [1.0, 1.0, 1.0]
+
+
+def test_planning_every_rank_at_once_equals_planning_each_rank_alone():
+    # dst plans every sender's stream in one pass; each sender plans its own: the same
+    # messages, or a sender's bytes would land at the wrong offsets.
+    g = torch.Generator().manual_seed(3)
+    entries = []
+    for i in range(200):
+        e = E.Entry(f"k{i}", torch.uint8, (0,), index=i)
+        for r in range(3):
+            n = int(torch.randint(0, 9000, (1,), generator=g))
+            e.pieces.append(E.Piece(r, E.Block((0,), (n,)), n, e.key))
+        entries.append(e)
+    pairs = [(e, p) for e in entries for p in e.pieces]
+    from distributed_ext.export.plan.messages import plan_streams
+
+    together = plan_streams(iter(pairs), 4096, 3)
+    for r in range(3):
+        alone = E.plan_messages([(e, p) for e, p in pairs if p.rank == r], 4096)
+        assert together[r] == alone and alone, r
