@@ -196,40 +196,69 @@ def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
                 ctx: _agree.GroupContext, dst_rank: int, what: str
                 ) -> BaseException | None:
     """The data round on this rank: its messages to dst (:func:`_transfer`); with
-    ``writers="all"`` then its own runs written (a sender's), the shared blocks'
-    fragments to their owners (:func:`transport.shared_blocks.exchange`) and what it wrote made durable.
+    ``writers="all"`` then its own runs written (a sender's, in a thread) while the shared
+    blocks' fragments go to their owners (:func:`transport.shared_blocks.exchange`), and
+    what it wrote made durable.
 
     Returns this rank's failure (a full disk, a piece that failed to read), for the caller
     to agree; raises :class:`~distributed_ext._watch.PeerFailure` for a peer's."""
     failure: BaseException | None = None
+
+    def failed(exc: BaseException) -> None:
+        nonlocal failure
+        failure = failure or exc
+        if prepared.stop is not None:
+            prepared.stop.post()
+
     try:
+        own: threading.Thread | None = None
+        own_failures: list[BaseException] = []
         try:
             _transfer(state, prepared, sink, ctx, dst_rank, what)
             if prepared.local_messages and ctx.rank != dst_rank:  # (dst's: in _transfer)
-                _write_own(prepared.start_local(state), sink, prepared.local_messages,
-                           middles=True, stop=prepared.stop)
+                stager = prepared.start_local(state)
+
+                def write_own() -> None:
+                    try:
+                        if ctx.device.type == "cuda":
+                            torch.cuda.set_device(ctx.device)
+                        _write_own(stager, sink, prepared.local_messages, middles=True,
+                                   stop=prepared.stop)
+                    except BaseException as exc:  # noqa: BLE001 - this rank's: agreed
+                        own_failures.append(exc)
+                        if prepared.stop is not None:
+                            prepared.stop.post()
+
+                # Its own runs, which no peer waits on, written in a thread while the shared
+                # blocks' rounds below (which wait on every peer they meet) go on: one
+                # rank's slower own writes no longer hold its peers' exchange up.
+                own = threading.Thread(target=write_own, daemon=True,
+                                       name=f"distributed_ext {what} (own runs)")
+                own.start()
         except _watch.PeerFailure:
             raise
         except BaseException as exc:  # noqa: BLE001 - this rank's: agreed by the caller
-            failure = exc
-            if prepared.stop is not None:
-                prepared.stop.post()
+            failed(exc)
+        try:
+            edge_plan = prepared.edges
+            # Its peers wait on this rank's fragments: it takes part whatever failed here
+            # (writing nothing then; and nothing more once its own writes fail: ``stop``),
+            # unless the group is gone (a rank found dead; asked only after a failure, as
+            # posted_failure wants).
+            if edge_plan is not None and edge_plan.stager is not None and \
+                    (failure is None or _watch.posted_failure() is None):
+                _edges.exchange(edge_plan, sink if failure is None else None, ctx, what,
+                                prepared.stop)
         finally:
+            if own is not None:
+                own.join()  # its writes end before anything closes the sink's files
             prepared.release_local()
-        edge_plan = prepared.edges
-        # Its peers wait on this rank's fragments: it takes part whatever failed here
-        # (writing nothing then), unless the group is gone (a rank found dead; asked only
-        # after a failure, as posted_failure wants).
-        if edge_plan is not None and edge_plan.stager is not None and \
-                (failure is None or _watch.posted_failure() is None):
-            _edges.exchange(edge_plan, sink if failure is None else None, ctx, what,
-                            prepared.stop)
+        if own_failures:
+            failed(own_failures[0])
         if failure is None and ctx.rank != dst_rank and sink is not None:
             sink.finish()
     except _watch.PeerFailure:
         raise
     except BaseException as exc:  # noqa: BLE001
-        failure = failure or exc
-        if prepared.stop is not None:
-            prepared.stop.post()
+        failed(exc)
     return failure
