@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,30 @@ def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
         if stager.failure is not None:
             raise stager.failure
         write(data, _rows(message))
+
+
+def _start_own_writes(writes: Callable[[], None], ctx: _agree.GroupContext,
+                      stop: StopSignal | None, failures: list[BaseException], what: str
+                      ) -> threading.Thread:
+    """Starts ``writes()`` -- this rank's own pieces, which no peer waits on -- in a thread
+    (on the rank's GPU where it has one). A failure there is appended to ``failures``, for
+    the caller to raise once the thread is joined, and raises ``stop`` so that the other
+    ranks' own writes stop too."""
+
+    def run() -> None:
+        try:
+            if ctx.device.type == "cuda":
+                torch.cuda.set_device(ctx.device)  # a new thread starts on GPU 0
+            writes()
+        except BaseException as exc:  # noqa: BLE001 - this rank's: raised by the caller
+            failures.append(exc)
+            if stop is not None:
+                stop.post()
+
+    thread = threading.Thread(target=run, daemon=True,
+                              name=f"distributed_ext {what} (own pieces)")
+    thread.start()
+    return thread
 
 
 # Buffers of transfers that were posted when a peer failed: the transport may still read or
@@ -126,16 +151,9 @@ def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
                     prepared.stop.post()
 
         def write_own() -> None:
-            if on_device:
-                torch.cuda.set_device(ctx.device)
-            try:
-                _write_own(prepared.stager, sink, prepared.messages)
-                _write_own(prepared.stager, sink, prepared.local_messages, middles=True,
-                           stop=prepared.stop)
-            except BaseException as exc:  # noqa: BLE001 - raised after the others arrive
-                failures.append(exc)
-                if prepared.stop is not None:  # (the others' own writes stop)
-                    prepared.stop.post()
+            _write_own(prepared.stager, sink, prepared.messages)
+            _write_own(prepared.stager, sink, prepared.local_messages, middles=True,
+                       stop=prepared.stop)
 
         # Two receives in flight per sender, each written as it lands, while a second thread
         # writes dst's own pieces: the link, the disk and the senders all keep busy.
@@ -156,9 +174,8 @@ def _transfer(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
 
         for r in plans:
             post(r)
-        own = threading.Thread(target=write_own, name=f"distributed_ext {what} (own pieces)",
-                               daemon=True)
-        own.start()
+        # (a failure there is raised after the others arrive)
+        own = _start_own_writes(write_own, ctx, prepared.stop, failures, what)
         clean = False
         try:
             while any(pending.values()):
@@ -217,24 +234,13 @@ def _write_data(state: dict[str, torch.Tensor], prepared: _Prepared, sink: Any,
             _transfer(state, prepared, sink, ctx, dst_rank, what)
             if prepared.local_messages and ctx.rank != dst_rank:  # (dst's: in _transfer)
                 stager = prepared.start_local(state)
-
-                def write_own() -> None:
-                    try:
-                        if ctx.device.type == "cuda":
-                            torch.cuda.set_device(ctx.device)
-                        _write_own(stager, sink, prepared.local_messages, middles=True,
-                                   stop=prepared.stop)
-                    except BaseException as exc:  # noqa: BLE001 - this rank's: agreed
-                        own_failures.append(exc)
-                        if prepared.stop is not None:
-                            prepared.stop.post()
-
                 # Its own runs, which no peer waits on, written in a thread while the shared
                 # blocks' rounds below (which wait on every peer they meet) go on: one
                 # rank's slower own writes no longer hold its peers' exchange up.
-                own = threading.Thread(target=write_own, daemon=True,
-                                       name=f"distributed_ext {what} (own runs)")
-                own.start()
+                own = _start_own_writes(
+                    lambda: _write_own(stager, sink, prepared.local_messages, middles=True,
+                                       stop=prepared.stop),
+                    ctx, prepared.stop, own_failures, what)
         except _watch.PeerFailure:
             raise
         except BaseException as exc:  # noqa: BLE001 - this rank's: agreed by the caller
