@@ -8,13 +8,11 @@ from typing import Any
 
 from distributed_ext._timing import Timing
 from distributed_ext.bench.export import _llama_config, _write_direct, _write_shares
-from distributed_ext.bench.measure import routes_in_fresh_ranks
+from distributed_ext.bench.measure import _time_routes, routes_in_fresh_ranks
 from distributed_ext.bench.methods import _PARALLEL_DISK
 from distributed_ext.bench.resources import _filesystem, _load_text
 from distributed_ext.bench.sizes import format_size
-from distributed_ext.bench.tp import _route_table, _time_routes
-
-# -- FSDP x TP, as torch's 2-D recipe builds it ----------------------------------------------
+from distributed_ext.bench.tp import _route_table
 
 _HF_SAVE = "transformers gather_full_state_dict+save_pretrained"
 FSDP_TP_ROUTES = ("writers=all", "writers=dst", _HF_SAVE, "disk O_DIRECT write",

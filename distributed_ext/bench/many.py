@@ -3,10 +3,11 @@ torch's full_tensor() route, each in fresh ranks."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 from distributed_ext._timing import Timing
-from distributed_ext.bench.measure import routes_in_fresh_ranks
+from distributed_ext.bench.measure import _time_routes, routes_in_fresh_ranks
 from distributed_ext.bench.resources import _filesystem, _load_text
 from distributed_ext.bench.sizes import format_size
 
@@ -14,38 +15,21 @@ from distributed_ext.bench.sizes import format_size
 def _many_rank(route: str, entries: int, per_rank: int, base: str, repeat: int
                ) -> dict | None:
     """In each fresh rank: ``entries`` Shard(0) DTensors of ``per_rank`` bytes per rank (fp32),
-    exported ``1 + repeat`` times by ``route``; dst's Timing as a dict, None elsewhere."""
-    import shutil
-    from dataclasses import asdict
-
+    exported ``1 + repeat`` times by ``route``; as :func:`_time_routes`."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    import distributed_ext as dx
-    from distributed_ext._timing import time_calls
-
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)
     state = {f"model.layers.{i}.w": distribute_tensor(
         torch.randn(per_rank // 4 * world, generator=g), mesh, [Shard(0)])
         for i in range(entries)}
-    out = os.path.join(base, f"dext-many-{os.getppid()}")
-
-    def call(i: int) -> None:
-        path = f"{out}-{i}"
-        if route == "distributed_ext":
-            dx.export_hf_checkpoint(state, path)
-        else:
-            _save_full_tensors(state, path)
-
-    def after(i: int, _value: None) -> None:
-        if rank == 0:
-            shutil.rmtree(f"{out}-{i}", ignore_errors=True)
-
-    timing = time_calls(call, repeat, sync=dist.barrier, after=after)
-    return {"timing": asdict(timing), "io": []} if rank == 0 else None
+    # Ours with its default writers ("auto").
+    return _time_routes("writers=auto" if route == "distributed_ext" else route, state,
+                        functools.partial(_save_full_tensors, state),
+                        os.path.join(base, f"dext-many-{os.getppid()}"), repeat)
 
 
 def _save_full_tensors(state: dict, path: str) -> None:

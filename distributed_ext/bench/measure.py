@@ -1,5 +1,7 @@
-"""The measuring loop in the ranks: each method's first call and warm calls, its result
-checked, dst's figures returned; and one method in fresh local ranks."""
+"""The measuring loops in the ranks: each method's first call and warm calls, its result
+checked, dst's figures returned (:func:`measure`; one method in fresh local ranks:
+:func:`measure_fresh`); and the layout scenarios' routes, each timed in its own fresh ranks
+(:func:`_time_routes` in the ranks, :func:`routes_in_fresh_ranks` around them)."""
 
 from __future__ import annotations
 
@@ -173,3 +175,37 @@ def routes_in_fresh_ranks(label: str, routes: tuple[str, ...], rank_fn: Any, wor
         rows.append((route, Timing(**value["timing"]), value["io"]))
         print(f"  done: {label}, {route}", file=sys.stderr, flush=True)
     return rows
+
+
+def _time_routes(route: str, model: Any, baseline: Any, out: str, repeat: int) -> dict | None:
+    """``model`` exported ``1 + repeat`` times by ``route`` (``writers=...``: ours; else
+    ``baseline(path)``), into fresh directories ``out-<i>`` that dst removes; dst's Timing
+    and every rank's bytes written and sent in the first call, on dst (None elsewhere)."""
+    import shutil
+    from dataclasses import asdict
+
+    import torch.distributed as dist
+
+    import distributed_ext as dx
+    from distributed_ext._timing import time_calls
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    moved: list[RankIO] = []
+
+    def call(i: int) -> None:
+        path = f"{out}-{i}"
+        with RankIO() as counted:
+            if route.startswith("writers="):
+                dx.export_hf_checkpoint(model, path, writers=route.split("=")[1])
+            else:
+                baseline(path)
+        moved.append(counted)
+
+    def after(i: int, _value: None) -> None:
+        if rank == 0:
+            shutil.rmtree(f"{out}-{i}", ignore_errors=True)
+
+    timing = time_calls(call, repeat, sync=dist.barrier, after=after)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (moved[0].written, moved[0].sent))  # (our own counts)
+    return {"timing": asdict(timing), "io": every} if rank == 0 else None

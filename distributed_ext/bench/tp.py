@@ -4,13 +4,13 @@ scenarios share."""
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any
 
 from distributed_ext._timing import Timing
 from distributed_ext.bench.many import _save_full_tensors
-from distributed_ext.bench.measure import routes_in_fresh_ranks
-from distributed_ext.bench.resources import RankIO, _filesystem, _load_text
+from distributed_ext.bench.measure import _time_routes, routes_in_fresh_ranks
+from distributed_ext.bench.resources import _filesystem, _load_text
 from distributed_ext.bench.sizes import format_size
 
 TP_ROUTES = ("writers=all", "writers=dst", "torch full_tensor()+save_file")
@@ -33,45 +33,8 @@ def _tp_rank(route: str, size: int, run: int, base: str, repeat: int) -> dict | 
     state = {f"model.layers.{i}.w": distribute_tensor(torch.randn(rows, cols, generator=g),
                                                       mesh, [Shard(1)]) for i in range(16)}
 
-    def save(path: str) -> None:
-        _save_full_tensors(state, path)
-
-    return _time_routes(route, state, save, os.path.join(base, f"dext-tp-{os.getppid()}"),
-                        repeat)
-
-
-def _time_routes(route: str, model: Any, baseline: Any, out: str, repeat: int) -> dict | None:
-    """``model`` exported ``1 + repeat`` times by ``route`` (``writers=...``: ours; else
-    ``baseline(path)``), into fresh directories ``out-<i>`` that dst removes; dst's Timing
-    and every rank's bytes written and sent in the first call, on dst (None elsewhere)."""
-    import shutil
-    from dataclasses import asdict
-
-    import torch.distributed as dist
-
-    import distributed_ext as dx
-    from distributed_ext._timing import time_calls
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    moved: list[RankIO] = []
-
-    def call(i: int) -> None:
-        path = f"{out}-{i}"
-        with RankIO() as counted:
-            if route.startswith("writers="):
-                dx.export_hf_checkpoint(model, path, writers=route.split("=")[1])
-            else:
-                baseline(path)
-        moved.append(counted)
-
-    def after(i: int, _value: None) -> None:
-        if rank == 0:
-            shutil.rmtree(f"{out}-{i}", ignore_errors=True)
-
-    timing = time_calls(call, repeat, sync=dist.barrier, after=after)
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, (moved[0].written, moved[0].sent))  # (our own counts)
-    return {"timing": asdict(timing), "io": every} if rank == 0 else None
+    return _time_routes(route, state, functools.partial(_save_full_tensors, state),
+                        os.path.join(base, f"dext-tp-{os.getppid()}"), repeat)
 
 
 def measure_tp(world: int, size: int, run: int, repeat: int, base: str

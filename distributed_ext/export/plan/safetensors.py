@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # (for types only)
-    from distributed_ext.export.plan.types import Entry
-
+from distributed_ext.export.plan.types import Entry
 
 # What safetensors stores (its dtype names); anything else is refused before bytes move.
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
