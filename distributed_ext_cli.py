@@ -8,14 +8,28 @@ catch that interrupt and say plainly that nothing ran.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
 def bench() -> int:
     """``distributed-ext-bench``: :func:`distributed_ext.bench.main`, quiet on Ctrl-C."""
+    # The handler notes the interrupt as well as raising it: some import on the way catches
+    # every exception (KeyboardInterrupt included) and goes on, which would run the bench
+    # after a Ctrl-C.
+    interrupted = []
+
+    def note_interrupt(signum: int, frame: object) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, note_interrupt)
     try:
         from distributed_ext.bench import main
     except KeyboardInterrupt:
+        interrupted.append(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if interrupted:
         print("\ndistributed-ext-bench: interrupted while starting; nothing ran",
               file=sys.stderr, flush=True)
         # Leave at once: the interpreter's shutdown with half-imported extension modules

@@ -13,17 +13,38 @@ written to their place in the files as they arrive.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
-try:  # importing torch takes a while: a Ctrl-C meanwhile is a message, not a traceback
+# Importing torch takes a while: a Ctrl-C meanwhile is a message, not a traceback. The
+# handler notes it as well as raising it, because some import on the way catches every
+# exception (KeyboardInterrupt included) and goes on: seen as an export that ran to the end
+# after a Ctrl-C.
+_interrupted = False
+
+
+def _note_interrupt(signum: int, frame: object) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGINT, _note_interrupt)
+try:
     import torch
     import torch.distributed as dist
 
     import distributed_ext as dx
     from distributed_ext._spawn import run_local
 except KeyboardInterrupt:
-    print("export_fsdp2_hf: interrupted while starting; nothing ran", file=sys.stderr)
-    raise SystemExit(130) from None
+    _interrupted = True
+signal.signal(signal.SIGINT, signal.default_int_handler)
+if _interrupted:
+    print("export_fsdp2_hf: interrupted while starting; nothing ran", file=sys.stderr, flush=True)
+    # At once: the interpreter's shutdown with half-imported extension modules can end the
+    # process by SIGINT after all, hiding this exit code.
+    os._exit(130)
 
 
 def build_model() -> torch.nn.Module:
