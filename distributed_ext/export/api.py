@@ -16,6 +16,7 @@ import torch.nn as nn
 from distributed_ext.export.files.publish import check_directory
 from distributed_ext.export.files.sinks import FileSink, MemorySink
 from distributed_ext.export.files.writers import WRITERS, check_writers
+from distributed_ext.export.plan.quantized import Quantized
 from distributed_ext.export.plan.safetensors import layout_files, parse_shard_size
 from distributed_ext.export.plan.types import Entry
 from distributed_ext.export.rounds import _export
@@ -171,9 +172,10 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     what = "export_hf_checkpoint"
     path = os.fspath(directory)
 
-    def make_sink(entries: list[Entry], model: nn.Module | None, join: str | None) -> FileSink:
+    def make_sink(entries: list[Entry], model: nn.Module | None, join: str | None,
+                  quantized: Quantized | None) -> FileSink:
         return FileSink(path, layout_files(entries, parse_shard_size(max_shard_size)), model,
-                        join)
+                        join, quantized)
 
     # Checked on every rank and agreed in the metadata round, with dst and chunk_bytes
     # ("5GB" and 5000000000 are the same size: compared parsed, where they parse).
@@ -192,7 +194,7 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     with _cyclic_gc_paused():
         _export(model_or_state, dst, group, make_sink, chunk_bytes, what,
                 extra_args=extra, commit=True, check=check,
-                writers=writers if writers in WRITERS else "dst")
+                writers=writers if writers in WRITERS else "dst", quantize=True)
 
 
 def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
@@ -214,6 +216,6 @@ def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
     what = "gather_full_state"
     with _cyclic_gc_paused():
         sink, _model = _export(model_or_state, dst, group,
-                               lambda entries, model, _join: MemorySink(entries, model), None,
+                               lambda entries, model, _join, _q: MemorySink(entries, model), None,
                                what, hub_keys=hub_keys)
     return None if sink is None else sink.tensors

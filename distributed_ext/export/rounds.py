@@ -49,6 +49,7 @@ from distributed_ext.export.files.publish import _commit_round
 from distributed_ext.export.files.sinks import FileSink
 from distributed_ext.export.files.writers import resolve_writers
 from distributed_ext.export.plan import keys as _keys
+from distributed_ext.export.plan import quantized as _quantized
 from distributed_ext.export.plan.entries import (
     Described,
     _Args,
@@ -58,8 +59,10 @@ from distributed_ext.export.plan.entries import (
 from distributed_ext.export.plan.holdings import agree_plan, merge_holdings
 from distributed_ext.export.plan.messages import pack_cap
 from distributed_ext.export.plan.pieces import check_keys, plan_entries
+from distributed_ext.export.plan.quantized import Quantized
 from distributed_ext.export.plan.safetensors import _DTYPE_BY_NAME
 from distributed_ext.export.plan.types import Entry
+from distributed_ext.export.plan.wrappers import unwrap
 from distributed_ext.export.transport import shared_blocks as _edges
 from distributed_ext.export.transport.prepare import _prepare_transfer
 from distributed_ext.export.transport.stop import StopSignal
@@ -68,11 +71,12 @@ from distributed_ext.plan import recorded_plan
 
 
 def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup | None,
-            make_sink: Callable[[list[Entry], nn.Module | None, str | None], Any],
+            make_sink: Callable[[list[Entry], nn.Module | None, str | None,
+                                 Quantized | None], Any],
             chunk_bytes: int | None, what: str, hub_keys: bool = True,
             extra_args: tuple[tuple[str, Any], ...] = (), commit: bool = False,
-            check: Callable[[], Any] | None = None, writers: str = "dst"
-            ) -> tuple[Any, nn.Module | None]:
+            check: Callable[[], Any] | None = None, writers: str = "dst",
+            quantize: bool = False) -> tuple[Any, nn.Module | None]:
     """The rounds of the module docstring; returns (dst's sink, the model).
 
     ``make_sink(entries, model, join)`` runs on dst in the preparing round (its failure is
@@ -81,7 +85,10 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     dst commits the sink in a last round that every rank joins, so that no rank returns
     before the checkpoint is in place and a failed commit is raised on every rank.
     ``check()`` validates the caller's own arguments (``extra_args``) on every rank, inside
-    the metadata round.
+    the metadata round. ``quantize``: a model ModelOpt quantized is written as ModelOpt's
+    export writes it (:mod:`plan.quantized`: its layers that share an input fused first, in
+    a round of their own, then every quantized weight computed from each rank's rows);
+    ``make_sink`` then gets its JSON files.
     """
 
     def resolve_chunk() -> int:
@@ -100,6 +107,8 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             written = _keys.resolve_written(model, {
                 k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()},
                 described[dst_rank].converts)
+        if written is not None and held.get("quantized") is not None:
+            written = _quantized.apply(written, held["quantized"])
         entries = plan_entries(holdings, written, dst_rank, ranks, keep, spread)
         check_keys(entries)
         return entries
@@ -111,18 +120,26 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         # Inside the agreed round: a state_dict() hook that raises on one rank is raised
         # on every rank, not by that rank alone.
         state, model = resolve_state(model_or_state)
+        quantized = None
+        if quantize and hub_keys and model is not None:
+            # (state rewritten as ModelOpt writes it; a format not written by blocks raises)
+            quantized = _quantized.prepare(model, state)
         recorded = recorded_plan(model) if model is not None else None
         # Each key's local block, looked up once here: the transfer reads these.
         local: dict[str, torch.Tensor] = {}
         described = describe_state(state, None if recorded is None else astuple(recorded),
                                    local)
-        described.args = _Args(dst, chunk, extra_args)
+        # Every rank must compute the same tensors from the same calibration: agreed here.
+        described.args = _Args(dst, chunk, extra_args + (
+            ("the quantized model (formats, shapes, scales)",
+             None if quantized is None else quantized.digest),) if quantize else extra_args)
         if hub_keys and model is not None and runtime.rank() == dst:
             # Whether transformers converts this model's keys, decided once, on dst: its
             # table of conversions (900 regular expressions) costs 0.2 s to build in each
             # process, which every rank of a host would otherwise pay at once on its cores.
             described.converts = _keys.has_conversions(model)
-        held.update(local=local, model=model, chunk=chunk, described=described)
+        held.update(local=local, model=model, chunk=chunk, described=described,
+                    quantized=quantized)
         return described.summary()
 
     if not runtime.is_initialized():
@@ -130,11 +147,15 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         if dst != 0:
             raise ValueError(f"{what}: dst={dst}, but there is no process group: the one "
                              "process is rank 0 (pass dst=0, or set the group up first)")
+        if quantize and hub_keys and isinstance(model_or_state, nn.Module):
+            inner = unwrap(model_or_state)
+            if _quantized.needs_fusion(inner):
+                _quantized.fuse_shared_inputs(inner)
         held: dict[str, Any] = {}
         describe(held)
         state, model = held["local"], held["model"]
         entries = plan([held["described"]], model, 0, [0])
-        sink = make_sink(entries, model, None)
+        sink = make_sink(entries, model, None, held["quantized"])
         prepared = None
         try:
             prepared = _prepare_transfer(state, entries, None, 0, held["chunk"])
@@ -149,6 +170,8 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 prepared.release()
         return sink, model
     ctx = _agree.resolve_group(group, what)
+    if quantize and hub_keys and isinstance(model_or_state, nn.Module):
+        _fuse_quantized(unwrap(model_or_state), group, what)
     with _watch.DeferredInterrupts() as deferred:
         held = {}
         summaries = all_reduce(f"{what}: metadata", lambda: describe(held), list, group)
@@ -187,7 +210,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             if interrupted is not None:
                 raise interrupted
             if ctx.rank == dst_rank:
-                parts["sink"] = make_sink(entries, model, None)
+                parts["sink"] = make_sink(entries, model, None, held["quantized"])
             if writers == "dst":
                 parts["prepared"] = _prepare_transfer(state, entries, ctx, dst_rank, chunk)
 
@@ -205,7 +228,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             def joined_layout() -> FileSink:
                 """The files; a sender opens them (joins dst's stage) here."""
                 if parts["sink"] is None:
-                    parts["sink"] = make_sink(entries, model, stage)
+                    parts["sink"] = make_sink(entries, model, stage, held["quantized"])
                 return parts["sink"]
 
             def join() -> tuple[int]:
@@ -245,6 +268,23 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         if commit:
             _commit_round(sink, ctx, deferred, what)
     return sink, model
+
+
+def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str) -> None:
+    """ModelOpt's fusing of a quantized model's shared-input layers, where its export would
+    run it (:func:`plan.quantized.fuse_shared_inputs`): first agreed by every rank (a model
+    quantized on some ranks only is a ValueError on every rank), then run by every rank (a
+    forward, collective under FSDP2) and its outcome agreed."""
+    flags = all_reduce(f"{what}: quantized layers", lambda: _quantized.needs_fusion(model),
+                       list, group)
+    if not any(flags):
+        return
+    if not all(flags):
+        ranks = [r for r, f in enumerate(flags) if not f]
+        raise ValueError(f"{what}: the model is quantized by ModelOpt on some ranks but not on "
+                         f"group ranks {ranks}; quantize it alike on every rank")
+    all_reduce(f"{what}: fusing the quantizers of layers that share an input",
+               lambda: _quantized.fuse_shared_inputs(model), list, group)
 
 
 def resolve_described(summaries: list[Described], mine: Described, what: str,

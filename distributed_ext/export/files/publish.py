@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from distributed_ext import _agree, _watch
+from distributed_ext.export.plan.quantized import Quantized, config_text
 from distributed_ext.export.plan.safetensors import _SHARD_RE, INDEX_NAME, WEIGHTS_NAME
 
 # Files an export publishes; whatever else a directory holds (a tokenizer, a README) is kept.
@@ -33,11 +34,13 @@ _LEGACY_TMP_RE = re.compile(r"^\.(model.*\.safetensors|model\.safetensors\.index
                             r"|generation_config\.json)\.[0-9a-f]{32}\.tmp$")
 
 
-def _config_texts(model: nn.Module | None) -> dict[str, str]:
+def _config_texts(model: nn.Module | None, quantized: Quantized | None = None) -> dict[str, str]:
     """``config.json``/``generation_config.json`` as ``save_pretrained`` writes them (with
     its ``dtype`` -- the model's -- and ``architectures`` -- its class, ``FSDP`` prefix
     removed -- set on a copy: the model's own config is left as it was), computed before any
-    byte moves (a config that does not serialize fails the preparing round)."""
+    byte moves (a config that does not serialize fails the preparing round). For a
+    ModelOpt-quantized model, as ModelOpt's export writes them: ``hf_quant_config.json`` and
+    ``config.json`` with its ``quantization_config`` (:func:`plan.quantized.config_text`)."""
     out = {}
     for name, attr in zip(_CONFIG_NAMES, ("config", "generation_config")):
         obj = getattr(model, attr, None) if model is not None else None
@@ -54,6 +57,9 @@ def _config_texts(model: nn.Module | None) -> dict[str, str]:
                 raise ValueError(f"model.{attr} does not serialize to JSON ({type(exc).__name__}: "
                                  f"{exc}); make its attributes JSON-serializable (or delete the "
                                  "offending attribute) before exporting") from exc
+    if quantized is not None and model is not None and "config.json" in out:
+        out["config.json"] = config_text(out["config.json"], model, quantized)
+        out.update(quantized.files)
     return out
 
 

@@ -32,6 +32,7 @@ from distributed_ext.export.plan.messages import (
     ROW_OFFSET,
     aligned_middles,
 )
+from distributed_ext.export.plan.quantized import Quantized
 from distributed_ext.export.plan.safetensors import INDEX_NAME, WEIGHTS_NAME, safetensors_header
 from distributed_ext.export.plan.types import Entry
 
@@ -54,11 +55,12 @@ class FileSink:
     """
 
     def __init__(self, directory: str, files: list[list[Entry]], model: nn.Module | None = None,
-                 join: str | None = None) -> None:
+                 join: str | None = None, quantized: Quantized | None = None) -> None:
         """``join``: the stage another rank (dst) made, whose files this rank writes its own
-        bytes into (``writers="all"``); it neither creates, nor publishes, nor removes them."""
+        bytes into (``writers="all"``); it neither creates, nor publishes, nor removes them.
+        ``quantized``: a ModelOpt-quantized model's JSON files (:mod:`plan.quantized`)."""
         # The configs: serialized by dst, which writes them (a joined writer never does).
-        self.texts = _config_texts(model) if join is None else {}
+        self.texts = _config_texts(model, quantized) if join is None else {}
         # A joined writer writes only the aligned blocks inside its runs (write_middles) and
         # the shared blocks it owns (write_edges), and makes durable only the files it wrote.
         self.joined = join is not None

@@ -70,6 +70,9 @@ class Written:
     shape: tuple[int, ...]
     parts: tuple[Part, ...]
     unstreamable: str | None = None
+    # Computed from its one part's rows (:class:`plan.types.Transform`; ``dtype``/``shape``
+    # are then the computed tensor's, the part the whole in-memory tensor)
+    transform: Any = None
 
 
 def identity(key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Written:

@@ -21,7 +21,7 @@ from distributed_ext.export.plan.blocks import (
 )
 from distributed_ext.export.plan.holdings import Holding
 from distributed_ext.export.plan.safetensors import _DTYPE_BY_NAME
-from distributed_ext.export.plan.types import Entry, Piece
+from distributed_ext.export.plan.types import Entry, Piece, Transform
 
 # writers="all": a replicated block is split between its holders in row ranges of at least
 # this many bytes each (so that each is one long run, written where it is held).
@@ -68,6 +68,10 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
                 f"{w.key!r}: transformers writes it through {w.unstreamable}, which cannot be "
                 "streamed from the shards as blocks; call gather_full_state(model, "
                 "hub_keys=False) and then save_pretrained on rank 0 with that state")
+        if w.transform is not None:
+            entries.append(_computed_entry(w, holdings, distinct, dst_rank, load, keep,
+                                           len(entries)))
+            continue
         entry = Entry(w.key, w.dtype, w.shape, index=len(entries))
         itemsize = w.dtype.itemsize
         covered = 0
@@ -148,6 +152,53 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
         if keep is None or sender == keep or zoned:
             entry.pieces.append(Piece(sender, wb, nbytes, source, whole_view(wb)))
     return covered
+
+
+def _computed_entry(w: _keys.Written, holdings: dict[str, Holding], distinct: dict[int, list],
+                    dst_rank: int, load: _Load, keep: int | None, index: int) -> Entry:
+    """A written tensor computed row block by row block from a whole in-memory tensor
+    (``w.transform``): each holder's block of the source, as the plain plan would send it,
+    becomes the block of the written tensor it computes, on the rank that holds it.
+    ValueError (on every rank alike: every holder's block is checked, ``keep`` or not) where a
+    block does not hold whole rows, or a shard boundary splits ``step`` rows."""
+    t: Transform = w.transform
+    part = w.parts[0] if len(w.parts) == 1 else None
+    holding = holdings.get(part.source) if part is not None else None
+    if holding is None or not _is_whole(part, holding.sig.shape) or not holding.sig.shape:
+        raise ValueError(f"{w.key!r}: {t.what} is computed from an in-memory tensor that "
+                         "transformers writes converted (fused, split or renamed), which the "
+                         "export cannot quantize by blocks yet; export it unquantized or with "
+                         "ModelOpt's own export_hf_checkpoint")
+    src_shape = holding.sig.shape
+    source = Entry(w.key, _DTYPE_BY_NAME[holding.sig.dtype], src_shape)
+    _check_covered(source, _add_whole(source, part.source, holding, distinct, dst_rank, load))
+    entry = Entry(w.key, w.dtype, w.shape, index=index, source=part.source, transform=t)
+    itemsize = w.dtype.itemsize
+    for p in source.pieces:
+        b = p.block
+        if b.numel == 0:
+            continue
+        if b.shape[1:] != src_shape[1:]:
+            raise ValueError(
+                f"{w.key!r}: {t.what} is computed from whole rows of {part.source!r} "
+                f"{list(src_shape)}, but group rank {p.rank} holds its block at "
+                f"{list(b.offset)} of shape {list(b.shape)} (a shard boundary splits its "
+                "rows); shard the weight by rows (Shard(0), as FSDP2 does) to export it "
+                "quantized")
+        if b.offset[0] % t.step or b.shape[0] % t.step:
+            raise ValueError(
+                f"{w.key!r}: {t.what} computes {t.step} rows of {part.source!r} together, but "
+                f"group rank {p.rank} holds its rows {b.offset[0]}..{b.offset[0] + b.shape[0]} "
+                f"(a shard boundary splits them); shard it so that each rank's rows start and "
+                f"end on a multiple of {t.step}")
+        if keep is not None and p.rank != keep:
+            continue
+        rows = b.shape[0] // t.step * t.out_rows
+        block = Block((b.offset[0] // t.step * t.out_rows, *(0,) * (len(w.shape) - 1)),
+                      (rows, *w.shape[1:]))
+        entry.pieces.append(Piece(p.rank, block, block.numel * itemsize, p.source or part.source,
+                                  p.local, p.perm, src=b))
+    return entry
 
 
 def _zoned(runs: list[Runs]) -> bool:

@@ -5,11 +5,28 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from distributed_ext.export.plan.blocks import Block, Runs, _piece_runs
+
+
+@dataclass(frozen=True, slots=True)
+class Transform:
+    """A written tensor computed row block by row block from one in-memory tensor (a
+    quantized weight, its per-row or per-block scales): ``fn(rows, first)`` turns the in-memory
+    tensor's rows ``first .. first + len(rows)`` (every column) into the written tensor's rows
+    ``first // step * out_rows .. ``, ``out_rows`` written rows per ``step`` in-memory rows.
+    A block of the in-memory tensor must hold whole rows and start and end on a multiple of
+    ``step`` (a packed pair, a 2-D quantization block); ``what`` names the module and the
+    format in a refusal."""
+
+    fn: Callable[[torch.Tensor, int], torch.Tensor]
+    step: int
+    out_rows: int
+    what: str
 
 
 @dataclass(slots=True)
@@ -30,6 +47,9 @@ class Piece:
     local: tuple[slice, ...] | None = None
     perm: tuple[int, ...] | None = None
     _runs: Runs | None = field(default=None, repr=False, compare=False)
+    # Its entry is computed (``Entry.transform``): the block of the in-memory tensor it is
+    # computed from (``local``/``perm`` read that block, ``block`` is in the written tensor).
+    src: Block | None = None
 
     def runs(self, entry: Entry) -> Runs:
         """The block's contiguous runs in the full tensor (:func:`block_runs`), computed once."""
@@ -52,6 +72,8 @@ class Entry:
     # or not), so each region of it is written by the sender of most of its bytes
     # (:mod:`plan.tp_regions`); every rank then knows every sender's piece of it
     zoned: bool = False
+    # Computed from its source's rows where they live (a quantized weight): see Transform
+    transform: Transform | None = None
     nbytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -25,7 +25,10 @@ def _piece_tensor(state: dict[str, torch.Tensor], entry: Entry, piece: Piece) ->
         t = t[piece.local]
         if piece.perm is not None:
             t = t.permute(piece.perm)
-        t = t.reshape(piece.block.shape)
+        t = t.reshape((piece.block if piece.src is None else piece.src).shape)
+    if entry.transform is not None:  # computed here, from the rows this rank holds
+        assert piece.src is not None
+        t = entry.transform.fn(t, piece.src.offset[0])
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -194,7 +197,7 @@ class _Stager:
         at = 0
         state = self.state
         for e, p, s, m in message:
-            if p.local is not None:
+            if p.local is not None or e.transform is not None:
                 return None
             t = state[p.source or e.source]
             kind = type(t)

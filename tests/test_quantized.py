@@ -1,0 +1,105 @@
+"""A ModelOpt-quantized FSDP2 model exported from its shards (distributed_ext.export.plan.quantized),
+compared tensor by tensor, byte for byte, and JSON file by JSON file, with ModelOpt's own
+one-process ``export_hf_checkpoint`` of the same quantized model; a layout whose shard
+boundary splits a packed pair of rows refused on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from harness import assert_all_ok, run_ranks
+
+pytest.importorskip("modelopt.torch.quantization", reason="needs nvidia-modelopt (the [test] extra)")
+
+import hf_models  # noqa: E402
+
+FORMATS = ["FP8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN_CFG", "INT8_WEIGHT_ONLY_CFG",
+           "NVFP4_DEFAULT_CFG", "INT4_AWQ_CFG"]
+# INT4 AWQ groups 128 columns: every linear's input a multiple of 128, and every FSDP2 row
+# boundary even at world 2 and 3 (ceil(rows / world) even for 384, 192, 768 rows).
+DIMS = dict(hidden_size=384, intermediate_size=768, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2)
+# ceil(896 / 3) = 299: at world 3 FSDP2 cuts gate/up_proj's rows inside a packed pair.
+ODD_DIMS = {**DIMS, "intermediate_size": 896}
+
+
+def _quantized(fmt: str, dims: dict = DIMS):
+    """The tiny Llama in bf16, quantized by ModelOpt's own ``mtq.quantize`` (the same weights
+    and calibration batch in every process)."""
+    warnings.filterwarnings("ignore")
+    import modelopt.torch.quantization as mtq
+
+    model = hf_models.build("llama", 0, dtype=torch.bfloat16, **dims).to(torch.bfloat16)
+    model.config.architectures = ["LlamaForCausalLM"]
+    batch = hf_models.make_input()
+    mtq.quantize(model, getattr(mtq, fmt), lambda m: m(batch))
+    return model
+
+
+def _modelopt_exports(base: str, formats: list[str]) -> None:
+    """ModelOpt's own export, one process, no process group: the reference files."""
+    from modelopt.torch.export import export_hf_checkpoint
+
+    for fmt in formats:
+        export_hf_checkpoint(_quantized(fmt), dtype=torch.bfloat16,
+                             export_dir=os.path.join(base, "ref", fmt))
+
+
+def _export_shards(base: str, formats: list[str], writers: str) -> dict:
+    """Each format: quantized, ``fsdp2_wrap``, exported from the shards; then the layout
+    that splits a pair (outcome per rank)."""
+    import torch.distributed as dist
+
+    import distributed_ext as dx
+
+    for fmt in formats:
+        model = _quantized(fmt)
+        dx.fsdp2_wrap(model)
+        dx.export_hf_checkpoint(model, os.path.join(base, "ours", fmt), writers=writers)
+    out = {}
+    if dist.get_world_size() == 3:
+        model = _quantized("INT4_AWQ_CFG", ODD_DIMS)
+        dx.fsdp2_wrap(model)
+        bad = os.path.join(base, "odd")
+        try:
+            dx.export_hf_checkpoint(model, bad)
+            out["odd"] = ("ok",)
+        except Exception as exc:  # noqa: BLE001 - asserted by the test
+            out["odd"] = (type(exc).__name__, str(exc), os.path.exists(bad) and os.listdir(bad))
+    return out
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+@pytest.mark.parametrize("world,writers", [(2, "all"), (3, "dst")])
+def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path):
+    base = str(tmp_path)
+    assert_all_ok(run_ranks(_modelopt_exports, 1, base, FORMATS, init=False, timeout=300))
+    results = assert_all_ok(run_ranks(_export_shards, world, base, FORMATS, writers,
+                                      timeout=300))
+    for fmt in FORMATS:
+        ref_dir, our_dir = (os.path.join(base, k, fmt) for k in ("ref", "ours"))
+        ref, ours = hf_models.read_checkpoint(ref_dir), hf_models.read_checkpoint(our_dir)
+        assert sorted(ours) == sorted(ref), (fmt, sorted(set(ours) ^ set(ref)))
+        differ = [k for k in ref if not _same_bytes(ref[k], ours[k])]
+        assert not differ, (fmt, differ)
+        # The quantized weights are there (not the high-precision ones) in every format.
+        assert ours["model.layers.0.mlp.down_proj.weight"].dtype != torch.bfloat16, fmt
+        assert "model.layers.0.mlp.down_proj.weight_scale" in ours, fmt
+        assert not any("quantizer" in k for k in ours), fmt
+        for name in ("hf_quant_config.json", "config.json"):
+            with open(os.path.join(ref_dir, name)) as f, open(os.path.join(our_dir, name)) as g:
+                assert json.load(g) == json.load(f), (fmt, name)
+    if world == 3:
+        for odd in (r["odd"] for r in results):
+            assert odd[0] == "ValueError", odd
+            assert "mlp.gate_proj (int4_awq)" in odd[1] and "rows 0..299" in odd[1], odd[1]
+            assert "multiple of 2" in odd[1], odd[1]
+            assert not odd[2], odd  # nothing written
