@@ -1,7 +1,8 @@
-"""A ModelOpt-quantized FSDP2 model exported from its shards (distributed_ext.export.plan.quantized),
+"""A ModelOpt-quantized FSDP2 model exported from its shards (export/plan/quantized.py),
 compared tensor by tensor, byte for byte, and JSON file by JSON file, with ModelOpt's own
-one-process ``export_hf_checkpoint`` of the same quantized model; a layout whose shard
-boundary splits a packed pair of rows refused on every rank."""
+one-process ``export_hf_checkpoint`` of the same quantized model (a dense Llama in five
+formats, Qwen3-MoE's fused experts in two); a layout whose shard boundary splits a packed
+pair of rows refused on every rank."""
 
 from __future__ import annotations
 
@@ -19,50 +20,57 @@ import hf_models  # noqa: E402
 
 FORMATS = ["FP8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN_CFG", "INT8_WEIGHT_ONLY_CFG",
            "NVFP4_DEFAULT_CFG", "INT4_AWQ_CFG"]
+# (family, format): the dense Llama in every format; Qwen3-MoE's fused experts (split per
+# expert, each with its expert's quantizer) in FP8 and NVFP4.
+CASES = [("llama", f) for f in FORMATS] + [("qwen3-moe", "FP8_DEFAULT_CFG"),
+                                           ("qwen3-moe", "NVFP4_DEFAULT_CFG")]
 # INT4 AWQ groups 128 columns: every linear's input a multiple of 128, and every FSDP2 row
 # boundary even at world 2 and 3 (ceil(rows / world) even for 384, 192, 768 rows).
 DIMS = dict(hidden_size=384, intermediate_size=768, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2)
+MOE_DIMS = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                num_hidden_layers=1)
 # ceil(896 / 3) = 299: at world 3 FSDP2 cuts gate/up_proj's rows inside a packed pair.
 ODD_DIMS = {**DIMS, "intermediate_size": 896}
 
 
-def _quantized(fmt: str, dims: dict = DIMS):
-    """The tiny Llama in bf16, quantized by ModelOpt's own ``mtq.quantize`` (the same weights
-    and calibration batch in every process)."""
+def _quantized(family: str, fmt: str, dims: dict | None = None):
+    """A tiny model of ``family`` in bf16, quantized by ModelOpt's own ``mtq.quantize`` (the
+    same weights and calibration batch in every process; 128 tokens reach every expert)."""
     warnings.filterwarnings("ignore")
     import modelopt.torch.quantization as mtq
 
-    model = hf_models.build("llama", 0, dtype=torch.bfloat16, **dims).to(torch.bfloat16)
-    model.config.architectures = ["LlamaForCausalLM"]
-    batch = hf_models.make_input()
+    dims = dims or (DIMS if family == "llama" else MOE_DIMS)
+    model = hf_models.build(family, 0, dtype=torch.bfloat16, **dims).to(torch.bfloat16)
+    model.config.architectures = [type(model).__name__]
+    batch = torch.randint(0, 130, (4, 32), generator=torch.Generator().manual_seed(1))
     mtq.quantize(model, getattr(mtq, fmt), lambda m: m(batch))
     return model
 
 
-def _modelopt_exports(base: str, formats: list[str]) -> None:
+def _modelopt_exports(base: str, cases: list[tuple[str, str]]) -> None:
     """ModelOpt's own export, one process, no process group: the reference files."""
     from modelopt.torch.export import export_hf_checkpoint
 
-    for fmt in formats:
-        export_hf_checkpoint(_quantized(fmt), dtype=torch.bfloat16,
-                             export_dir=os.path.join(base, "ref", fmt))
+    for family, fmt in cases:
+        export_hf_checkpoint(_quantized(family, fmt), dtype=torch.bfloat16,
+                             export_dir=os.path.join(base, "ref", family, fmt))
 
 
-def _export_shards(base: str, formats: list[str], writers: str) -> dict:
-    """Each format: quantized, ``fsdp2_wrap``, exported from the shards; then the layout
+def _export_shards(base: str, cases: list[tuple[str, str]], writers: str) -> dict:
+    """Each case: quantized, ``fsdp2_wrap``, exported from the shards; then the layout
     that splits a pair (outcome per rank)."""
     import torch.distributed as dist
 
     import distributed_ext as dx
 
-    for fmt in formats:
-        model = _quantized(fmt)
+    for family, fmt in cases:
+        model = _quantized(family, fmt)
         dx.fsdp2_wrap(model)
-        dx.export_hf_checkpoint(model, os.path.join(base, "ours", fmt), writers=writers)
+        dx.export_hf_checkpoint(model, os.path.join(base, "ours", family, fmt), writers=writers)
     out = {}
     if dist.get_world_size() == 3:
-        model = _quantized("INT4_AWQ_CFG", ODD_DIMS)
+        model = _quantized("llama", "INT4_AWQ_CFG", ODD_DIMS)
         dx.fsdp2_wrap(model)
         bad = os.path.join(base, "odd")
         try:
@@ -81,18 +89,19 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("world,writers", [(2, "all"), (3, "dst")])
 def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path):
     base = str(tmp_path)
-    assert_all_ok(run_ranks(_modelopt_exports, 1, base, FORMATS, init=False, timeout=300))
-    results = assert_all_ok(run_ranks(_export_shards, world, base, FORMATS, writers,
+    assert_all_ok(run_ranks(_modelopt_exports, 1, base, CASES, init=False, timeout=300))
+    results = assert_all_ok(run_ranks(_export_shards, world, base, CASES, writers,
                                       timeout=300))
-    for fmt in FORMATS:
-        ref_dir, our_dir = (os.path.join(base, k, fmt) for k in ("ref", "ours"))
+    for family, fmt in CASES:
+        ref_dir, our_dir = (os.path.join(base, k, family, fmt) for k in ("ref", "ours"))
         ref, ours = hf_models.read_checkpoint(ref_dir), hf_models.read_checkpoint(our_dir)
         assert sorted(ours) == sorted(ref), (fmt, sorted(set(ours) ^ set(ref)))
         differ = [k for k in ref if not _same_bytes(ref[k], ours[k])]
         assert not differ, (fmt, differ)
         # The quantized weights are there (not the high-precision ones) in every format.
-        assert ours["model.layers.0.mlp.down_proj.weight"].dtype != torch.bfloat16, fmt
-        assert "model.layers.0.mlp.down_proj.weight_scale" in ours, fmt
+        down = "model.layers.0.mlp." + ("down_proj" if family == "llama" else "experts.3.down_proj")
+        assert ours[down + ".weight"].dtype != torch.bfloat16, fmt
+        assert down + ".weight_scale" in ours, fmt
         assert not any("quantizer" in k for k in ours), fmt
         for name in ("hf_quant_config.json", "config.json"):
             with open(os.path.join(ref_dir, name)) as f, open(os.path.join(our_dir, name)) as g:

@@ -72,33 +72,8 @@ def plan_entries(holdings: dict[str, Holding], written: list[_keys.Written] | No
             entries.append(_computed_entry(w, holdings, distinct, dst_rank, load, keep,
                                            len(entries)))
             continue
-        entry = Entry(w.key, w.dtype, w.shape, index=len(entries))
-        itemsize = w.dtype.itemsize
-        covered = 0
-        for part in w.parts:
-            holding = holdings[part.source]
-            _distinct_blocks(part.source, holding, distinct)  # they tile it exactly
-            if _is_whole(part, holding.sig.shape):
-                covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load,
-                                      keep, share=len(w.parts) == 1, spread=spread)
-                continue
-            blocks: dict[Block, list[tuple[int, Block, list[int], list[int]]]] = {}
-            for r, held in holding.blocks:
-                meet = _overlap(part, held)
-                if meet is not None:
-                    blocks.setdefault(_intersect(part, *meet), []).append((r, held, *meet))
-            for wb, owners in blocks.items():
-                sender = _choose_sender([o[0] for o in owners], dst_rank, load)
-                _r, held, lo, hi = next(o for o in owners if o[0] == sender)
-                if sender != dst_rank:
-                    load.add(sender, wb.numel * itemsize)
-                covered += wb.numel
-                if keep is None or sender == keep:
-                    local, perm = _local_view(part, held, lo, hi)
-                    entry.pieces.append(Piece(sender, wb, wb.numel * itemsize, part.source,
-                                              local, perm))
-        _check_covered(entry, covered)
-        entries.append(entry)
+        entries.append(_plan_written(w, holdings, distinct, dst_rank, load, keep, spread,
+                                     len(entries)))
     return entries
 
 
@@ -154,50 +129,77 @@ def _add_whole(entry: Entry, source: str, holding: Holding,
     return covered
 
 
+def _plan_written(w: _keys.Written, holdings: dict[str, Holding], distinct: dict[int, list],
+                  dst_rank: int, load: _Load, keep: int | None, spread: bool, index: int
+                  ) -> Entry:
+    """One written tensor's pieces: each part's blocks from their holders (a whole in-memory
+    tensor's by :func:`_add_whole`)."""
+    entry = Entry(w.key, w.dtype, w.shape, index=index)
+    itemsize = w.dtype.itemsize
+    covered = 0
+    for part in w.parts:
+        holding = holdings[part.source]
+        _distinct_blocks(part.source, holding, distinct)  # they tile it exactly
+        if _is_whole(part, holding.sig.shape):
+            covered += _add_whole(entry, part.source, holding, distinct, dst_rank, load,
+                                  keep, share=len(w.parts) == 1, spread=spread)
+            continue
+        blocks: dict[Block, list[tuple[int, Block, list[int], list[int]]]] = {}
+        for r, held in holding.blocks:
+            meet = _overlap(part, held)
+            if meet is not None:
+                blocks.setdefault(_intersect(part, *meet), []).append((r, held, *meet))
+        for wb, owners in blocks.items():
+            sender = _choose_sender([o[0] for o in owners], dst_rank, load)
+            _r, held, lo, hi = next(o for o in owners if o[0] == sender)
+            if sender != dst_rank:
+                load.add(sender, wb.numel * itemsize)
+            covered += wb.numel
+            if keep is None or sender == keep:
+                local, perm = _local_view(part, held, lo, hi)
+                entry.pieces.append(Piece(sender, wb, wb.numel * itemsize, part.source,
+                                          local, perm))
+    _check_covered(entry, covered)
+    return entry
+
+
 def _computed_entry(w: _keys.Written, holdings: dict[str, Holding], distinct: dict[int, list],
                     dst_rank: int, load: _Load, keep: int | None, index: int) -> Entry:
-    """A written tensor computed row block by row block from a whole in-memory tensor
-    (``w.transform``): each holder's block of the source, as the plain plan would send it,
-    becomes the block of the written tensor it computes, on the rank that holds it.
-    ValueError (on every rank alike: every holder's block is checked, ``keep`` or not) where a
-    block does not hold whole rows, or a shard boundary splits ``step`` rows."""
+    """A written tensor computed row block by row block (``w.transform``) from the tensor
+    transformers would write in its place (``w.parts``, of the transform's source dtype and
+    shape): each block of that tensor, as the plan would send it, becomes the block of the
+    computed tensor it makes, on the rank that holds it. ValueError (on every rank alike:
+    every block is checked, ``keep`` or not) where a block does not hold whole rows, or a
+    shard boundary splits ``step`` rows."""
     t: Transform = w.transform
-    part = w.parts[0] if len(w.parts) == 1 else None
-    holding = holdings.get(part.source) if part is not None else None
-    if holding is None or not _is_whole(part, holding.sig.shape) or not holding.sig.shape:
-        raise ValueError(f"{w.key!r}: {t.what} is computed from an in-memory tensor that "
-                         "transformers writes converted (fused, split or renamed), which the "
-                         "export cannot quantize by blocks yet; export it unquantized or with "
-                         "ModelOpt's own export_hf_checkpoint")
-    src_shape = holding.sig.shape
-    source = Entry(w.key, _DTYPE_BY_NAME[holding.sig.dtype], src_shape)
-    _check_covered(source, _add_whole(source, part.source, holding, distinct, dst_rank, load))
-    entry = Entry(w.key, w.dtype, w.shape, index=index, source=part.source, transform=t)
+    plain = _keys.Written(w.key, t.source_dtype, t.source_shape, w.parts)
+    source = _plan_written(plain, holdings, distinct, dst_rank, load, None, False, index)
+    entry = Entry(w.key, w.dtype, w.shape, index=index, transform=t)
     itemsize = w.dtype.itemsize
+    shape = t.source_shape
     for p in source.pieces:
         b = p.block
         if b.numel == 0:
             continue
-        if b.shape[1:] != src_shape[1:]:
+        if b.shape[1:] != shape[1:]:
             raise ValueError(
-                f"{w.key!r}: {t.what} is computed from whole rows of {part.source!r} "
-                f"{list(src_shape)}, but group rank {p.rank} holds its block at "
-                f"{list(b.offset)} of shape {list(b.shape)} (a shard boundary splits its "
-                "rows); shard the weight by rows (Shard(0), as FSDP2 does) to export it "
-                "quantized")
+                f"{w.key!r}: {t.what} is computed from whole rows of its weight "
+                f"{list(shape)}, but group rank {p.rank} holds its block at {list(b.offset)} "
+                f"of shape {list(b.shape)} (a shard boundary splits its rows); shard the "
+                "weight by rows (Shard(0), as FSDP2 does) to export it quantized")
         if b.offset[0] % t.step or b.shape[0] % t.step:
             raise ValueError(
-                f"{w.key!r}: {t.what} computes {t.step} rows of {part.source!r} together, but "
-                f"group rank {p.rank} holds its rows {b.offset[0]}..{b.offset[0] + b.shape[0]} "
-                f"(a shard boundary splits them); shard it so that each rank's rows start and "
-                f"end on a multiple of {t.step}")
+                f"{w.key!r}: {t.what} computes {t.step} rows of its weight together, but group "
+                f"rank {p.rank} holds its rows {b.offset[0]}..{b.offset[0] + b.shape[0]} (a "
+                "shard boundary splits them); shard it so that each rank's rows start and end "
+                f"on a multiple of {t.step}")
         if keep is not None and p.rank != keep:
             continue
         rows = b.shape[0] // t.step * t.out_rows
         block = Block((b.offset[0] // t.step * t.out_rows, *(0,) * (len(w.shape) - 1)),
                       (rows, *w.shape[1:]))
-        entry.pieces.append(Piece(p.rank, block, block.numel * itemsize, p.source or part.source,
-                                  p.local, p.perm, src=b))
+        entry.pieces.append(Piece(p.rank, block, block.numel * itemsize,
+                                  p.source or source.source, p.local, p.perm, src=b))
     return entry
 
 

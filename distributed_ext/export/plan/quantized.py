@@ -1,25 +1,25 @@
 """A ModelOpt-quantized model written as ModelOpt's own ``export_hf_checkpoint`` writes it,
 every quantized weight computed from the rows each rank holds.
 
-ModelOpt's export of a quantized linear turns its weight into a quantized tensor and
-registers its scales (``_export_quantized_weight``), then renames and drops its quantizers'
-buffers (``postprocess_state_dict``). Every format it writes for a linear layer is computed
-row by row (a per-tensor or per-channel scale from the calibrated amax; NVFP4's per-16 block
-scales along a row; INT4 AWQ's per-group scales, rows packed in pairs), so each rank runs
-ModelOpt's own function on a stand-in module that holds only its rows (the quantizers copied,
-a per-row amax cut to those rows) and gets those rows of every output. Nothing is restated
-here: which format a module has, its arithmetic, its scales and the JSON files are
-ModelOpt's, byte for byte.
+ModelOpt's export turns each quantized weight into a quantized tensor and its scales
+(``_export_quantized_weight``; a MoE's fused experts split into per-expert projections
+first, each with its expert's quantizer), then renames and drops its quantizers' buffers
+(``postprocess_state_dict``). Every format it writes for a linear weight is computed row by
+row (a per-tensor or per-channel scale from the calibrated amax; NVFP4's per-16 block scales
+along a row; INT4 AWQ's per-group scales, rows packed in pairs), so each rank runs ModelOpt's
+own function on a stand-in module that holds only its rows (the quantizers copied, a
+per-row amax cut to those rows) and gets those rows of every output. Nothing is restated
+here: a module's format, the arithmetic, the scales and the JSON files are ModelOpt's.
 
-The written tensors of a quantized weight are either *global* (the same whatever the rows: a
+The outputs of a quantized weight are either *global* (the same whatever the rows: a
 per-tensor scale, ``weight_scale_2``, ``input_scale``), computed on every rank from its copy
-of the (already global) calibration results and written as a small plain tensor, or *per
-row* (the weight, per-channel and per-block scales): a :class:`plan.types.Transform` of the
-in-memory weight's rows, computed by the rank that holds them where it writes them. Which is
-which, and the written shapes, come from running ModelOpt's function on one and two row
-blocks of ones.
+of the calibration results (already global; agreed in the metadata round) and written as a
+small plain tensor, or *per row* (the weight, per-channel and per-block scales): a
+:class:`plan.types.Transform` of the rows of the weight transformers would write, computed
+by the rank that holds them. Which is which, and the written shapes, come from ModelOpt's
+export of two and four row blocks of ones.
 
-ModelOpt is imported only where a model has its quantizers (it is then already imported).
+ModelOpt is imported only for a model that has its quantizers (it is then already loaded).
 """
 
 from __future__ import annotations
@@ -33,75 +33,121 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from distributed_ext.export.plan.keys import Written
+from distributed_ext.export.plan import keys as _keys
 from distributed_ext.export.plan.types import Transform
 
 # The formats written from the shards (ModelOpt's names), each with how many rows its
-# arithmetic takes together (INT4 AWQ packs two rows in a byte). Every other format is refused
-# by name: their blocks have not been checked against ModelOpt's export.
+# arithmetic takes together (INT4 AWQ packs two rows in a byte). Any other format is refused
+# by name: its blocks have not been checked against ModelOpt's export.
 ROW_FORMATS = {"fp8": 1, "fp8_pc_pt": 1, "int8_wo": 1, "int8_sq": 1, "nvfp4": 1,
                "w4a16_nvfp4": 1, "int4_awq": 2}
-# Formats whose layers ModelOpt's export first fuses (amax shared by the linears that read one
-# input, AWQ's pre-quant scales averaged and folded into the norm before them):
-# ``requantize_resmooth_fused_llm_layers`` does nothing for these.
-_UNFUSED = {None, "fp8", "fp8_pb_real"}
+# Formats whose shared-input layers ModelOpt's ``requantize_resmooth_fused_llm_layers``
+# leaves as they are (it then needs no forward).
+_UNFUSED = {"fp8", "fp8_pb_real"}
 _KV_CACHE_MAXBOUND = 448  # ModelOpt's KV cache scale: amax / 448 (FP8 and NVFP4 caches)
-_QUANTIZERS = ("weight_quantizer", "input_quantizer", "output_quantizer")
 
 
 @dataclass
 class Quantized:
-    """What a quantized model's export writes beyond its state: the computed tensors (written
-    key -> (in-memory source key, dtype, global shape, transform)) and ModelOpt's JSON files."""
+    """What a quantized model's export writes beyond its state: for each weight transformers
+    would write (its key), the tensors computed from its rows in its place (key, dtype,
+    shape, transform), and ModelOpt's JSON files."""
 
-    computed: dict[str, tuple[str, torch.dtype, tuple[int, ...], Transform]] = field(
+    replaces: dict[str, list[tuple[str, torch.dtype, tuple[int, ...], Transform]]] = field(
         default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)  # hf_quant_config.json
     quantization_config: dict[str, Any] | None = None  # config.json's
     digest: tuple = ()  # what every rank must agree on (formats, shapes, global scales)
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """How ModelOpt exports one written 2-D weight: its quantizers, and where its rows lie
+    among the ``total`` rows its weight quantizer's amax covers (a fused expert's up
+    projection starts at ``first`` = its gate's rows)."""
+
+    name: str  # the written module, for messages
+    fmt: str
+    weight_quantizer: nn.Module
+    input_quantizer: nn.Module | None
+    output_quantizer: nn.Module | None
+    first: int
+    total: int
+
+
 def _modelopt_loaded() -> bool:
     return "modelopt.torch.quantization" in sys.modules
 
 
-def quantized_modules(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """The modules of ``model`` that ModelOpt quantized (an enabled weight quantizer):
-    name -> (module, ModelOpt's format name). Empty where ModelOpt was never imported."""
-    if not _modelopt_loaded():
-        return {}
+def _format(weight_quantizer: nn.Module, input_quantizer: nn.Module | None) -> str | None:
     from modelopt.torch.export.model_config import QUANTIZATION_NONE
     from modelopt.torch.export.quant_utils import get_quantization_format
 
-    out = {}
+    probe = nn.Module()  # (ModelOpt looks for the weight a quantizer goes with)
+    probe.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    probe.weight_quantizer = weight_quantizer
+    if input_quantizer is not None:
+        probe.input_quantizer = input_quantizer
+    fmt = get_quantization_format(probe)
+    return None if fmt in (None, QUANTIZATION_NONE) else fmt
+
+
+def _sources(model: nn.Module) -> dict[str, Any]:
+    """The quantized in-memory weights (key -> a linear module, or (fused experts module,
+    projection attribute)). Empty where ModelOpt was never imported."""
+    if not _modelopt_loaded():
+        return {}
+    out: dict[str, Any] = {}
     for name, module in model.named_modules():
-        if not isinstance(getattr(module, "weight_quantizer", None), nn.Module):
+        prefix = f"{name}." if name else ""
+        first_proj = getattr(module, "_first_proj_attr", "gate_up_proj")
+        if isinstance(getattr(module, f"{first_proj}_weight_quantizers", None), nn.ModuleList):
+            for attr in (first_proj, "down_proj"):
+                if isinstance(getattr(module, f"{attr}_weight_quantizers", None), nn.ModuleList):
+                    out[prefix + attr] = (module, attr)
             continue
-        if not isinstance(getattr(module, "weight", None), torch.Tensor):
-            continue
-        fmt = get_quantization_format(module)
-        if fmt not in (None, QUANTIZATION_NONE):
-            out[name] = (module, fmt)
+        wq = getattr(module, "weight_quantizer", None)
+        if isinstance(wq, nn.Module) and isinstance(getattr(module, "weight", None), torch.Tensor):
+            if _format(wq, getattr(module, "input_quantizer", None)) is not None:
+                out[prefix + "weight"] = module
     return out
 
 
 def needs_fusion(model: nn.Module) -> bool:
-    """Whether ModelOpt's export would first fuse the quantizers of layers that read one
-    input (every format but FP8 per-tensor): see :func:`fuse_shared_inputs`."""
-    formats = {fmt for _m, fmt in quantized_modules(model).values()}
-    return bool(formats - _UNFUSED)
+    """Whether ModelOpt's export would fuse the quantizers of this model's shared-input
+    layers with a forward first (a quantized model in any format but FP8 per-tensor)."""
+    if not _modelopt_loaded():
+        return False
+    from modelopt.torch.export.quant_utils import get_quantization_format
+
+    fmt = get_quantization_format(model)
+    return fmt not in (None, "none") and fmt not in _UNFUSED
 
 
 def fuse_shared_inputs(model: nn.Module) -> None:
-    """ModelOpt's own ``requantize_resmooth_fused_llm_layers``, as its export runs it first:
-    the linears that read one input get one input amax and one per-tensor weight amax (q, k,
-    v; gate, up), and AWQ's pre-quant scales are averaged over them and folded into the norm
+    """ModelOpt's own ``requantize_resmooth_fused_llm_layers``, as its export runs it: the
+    linears that read one input get one input amax and one per-tensor weight amax (q, k, v;
+    gate, up), and AWQ's pre-quant scales are averaged over them and folded into the norm
     before them (rescaling those weights). It changes the model in place, as ModelOpt's export
     does, and runs a forward of two tokens (collective under FSDP2: every rank calls it).
-    Running it twice changes nothing more."""
+    Running it again changes nothing more."""
     from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
 
     requantize_resmooth_fused_llm_layers(model)
+
+
+def _sync_amax(model: nn.Module, dtype: torch.dtype) -> None:
+    """ModelOpt's export's other steps before it quantizes: missing expert input amax filled,
+    gate/up amax of separate experts shared, tied modules' input amax merged (in place, on
+    each rank's copy of the calibration results; no collective)."""
+    from modelopt.torch.export.layer_utils import sync_moe_gate_up_amax
+    from modelopt.torch.export.model_utils import TiedWeightMap
+    from modelopt.torch.export.quant_utils import sync_tied_input_amax
+    from modelopt.torch.export.unified_export_hf import _prepare_moe_inputs
+
+    _prepare_moe_inputs(model, dtype, False)
+    sync_moe_gate_up_amax(model)
+    sync_tied_input_amax(model, TiedWeightMap(model))
 
 
 def export_dtype(model: nn.Module) -> torch.dtype:
@@ -117,58 +163,51 @@ def export_dtype(model: nn.Module) -> torch.dtype:
     return first.dtype if first is not None else torch.float16
 
 
-class _StandIn(nn.Module):
-    """A quantized linear's weight rows and copies of its quantizers: what ModelOpt's
-    ``_export_quantized_weight`` reads and registers its outputs on."""
+def _cut(buf: torch.Tensor, first: int, n: int, total: int, repeat: int) -> torch.Tensor:
+    """Rows ``first .. first + n`` (of ``total``) of a per-row or per-row-block buffer (an
+    amax of ``total * k`` rows, row-major), ``repeat`` times over; a per-tensor one as it is."""
+    if buf.dim() == 0 or buf.numel() == 1 or buf.shape[0] % total:
+        return buf
+    k = buf.shape[0] // total
+    cut = buf[first * k : (first + n) * k]
+    return torch.cat([cut] * repeat) if repeat > 1 else cut
 
 
-def _slice_rows(t: torch.Tensor, first: int, n: int, total: int) -> torch.Tensor:
-    """The rows ``first .. first + n`` (of ``total``) of a per-row (or per-row-block) buffer
-    (an amax of ``total * k`` rows, row-major); a per-tensor one as it is."""
-    if t.dim() == 0 or t.numel() == 1 or t.shape[0] % total:
-        return t
-    k = t.shape[0] // total
-    return t[first * k : (first + n) * k]
-
-
-def _stand_in(module: nn.Module, rows: torch.Tensor, first: int, total: int,
-              repeat: int) -> _StandIn:
-    """``rows`` (``repeat`` times over) and copies of ``module``'s quantizers, a per-row amax
-    cut to those rows (and repeated alike)."""
-    s = _StandIn()
+def _stand_in(unit: _Unit, rows: torch.Tensor, first: int, repeat: int) -> nn.Module:
+    """``rows`` (``repeat`` times over) and copies of the unit's quantizers -- the weight
+    quantizer's per-row buffers cut to those rows -- as ModelOpt's export reads a linear."""
+    s = nn.Module()
     n = rows.shape[0]
     s.weight = nn.Parameter(rows.repeat(repeat, *(1,) * (rows.dim() - 1)) if repeat > 1
                             else rows, requires_grad=False)
-    for attr in _QUANTIZERS:
-        q = getattr(module, attr, None)
-        if not isinstance(q, nn.Module):
-            continue
-        q = copy.deepcopy(q)
-        if attr == "weight_quantizer":
-            for name, buf in list(q.named_buffers(recurse=False)):
-                if isinstance(buf, torch.Tensor) and buf.dim() > 0:
-                    cut = _slice_rows(buf, first, n, total)
-                    setattr(q, name, torch.cat([cut] * repeat) if cut is not buf and repeat > 1
-                            else cut)
-            # (the shape ModelOpt gives a per-block amax when exporting it: the weight's rows)
-            shape = getattr(q, "_amax_shape_for_export", None)
-            if shape is not None and len(shape) and shape[0] == total:
-                q._amax_shape_for_export = (n * repeat, *tuple(shape)[1:])
-        setattr(s, attr, q)
+    wq = copy.deepcopy(unit.weight_quantizer)
+    for name, buf in list(wq.named_buffers(recurse=False)):
+        if isinstance(buf, torch.Tensor) and buf.dim() > 0:
+            setattr(wq, name, _cut(buf, unit.first + first, n, unit.total, repeat))
+    # (the shape ModelOpt gives a per-block amax when exporting it: the weight's rows)
+    shape = getattr(wq, "_amax_shape_for_export", None)
+    if shape is not None and len(shape) and shape[0] == unit.total:
+        wq._amax_shape_for_export = (n * repeat, *tuple(shape)[1:])
+    s.weight_quantizer = wq
+    # Copies: ModelOpt's export converts their amax to float32 in place.
+    if unit.input_quantizer is not None:
+        s.input_quantizer = copy.deepcopy(unit.input_quantizer)
+    if unit.output_quantizer is not None:
+        s.output_quantizer = copy.deepcopy(unit.output_quantizer)
     return s
 
 
-def _export_rows(module: nn.Module, rows: torch.Tensor, first: int, total: int,
-                 dtype: torch.dtype, step: int) -> dict[str, torch.Tensor]:
-    """ModelOpt's export of the rows ``first ..`` of ``module``'s weight: the quantized rows
-    and the scales it registers (names as ModelOpt writes them under the module). One block
-    of ``step`` rows alone is computed twice over and halved: ModelOpt's arithmetic squeezes
-    a per-row scale of one row to a scalar."""
+def _export_rows(unit: _Unit, rows: torch.Tensor, first: int, dtype: torch.dtype
+                 ) -> dict[str, torch.Tensor]:
+    """ModelOpt's export of the rows ``first ..`` of a unit's weight: the quantized rows and
+    the scales it registers (named as ModelOpt writes them under the module). One block of
+    ``step`` rows alone is computed twice over and halved: ModelOpt's arithmetic squeezes a
+    per-row scale of one row to a scalar."""
     from modelopt.torch.export.quant_utils import quantizer_attr_names
     from modelopt.torch.export.unified_export_hf import _export_quantized_weight
 
-    repeat = 2 if rows.shape[0] <= step else 1
-    s = _stand_in(module, rows, first, total, repeat)
+    repeat = 2 if rows.shape[0] <= ROW_FORMATS[unit.fmt] else 1
+    s = _stand_in(unit, rows, first, repeat)
     _export_quantized_weight(s, dtype)
     names = quantizer_attr_names("weight")
     out = {"weight": s.weight.detach()}
@@ -183,42 +222,105 @@ def _export_rows(module: nn.Module, rows: torch.Tensor, first: int, total: int,
     return out
 
 
-def prepare(model: nn.Module, state: dict[str, Any]) -> Quantized | None:
+class _RowsOf:
+    """One output of ModelOpt's export of a weight, for the rows a rank holds (picklable
+    state: the unit; called in the stager)."""
+
+    def __init__(self, unit: _Unit, suffix: str, dtype: torch.dtype) -> None:
+        self.unit, self.suffix, self.dtype = unit, suffix, dtype
+
+    def __call__(self, rows: torch.Tensor, first: int) -> torch.Tensor:
+        return _export_rows(self.unit, rows, first, self.dtype)[self.suffix]
+
+
+def _unit_of(w: _keys.Written, sources: dict[str, Any], held: dict[str, tuple]) -> _Unit | None:
+    """The unit of a written tensor made from a quantized in-memory weight (None for any
+    other); ValueError where it is made in a way ModelOpt's weights are not split by rows."""
+    srcs = {p.source for p in w.parts}
+    quantized = [s for s in srcs if s in sources]
+    if not quantized:
+        return None
+    key = quantized[0]
+    source = sources[key]
+    src_shape = held[key][1]
+    if len(w.parts) != 1 or w.unstreamable is not None:
+        raise ValueError(f"{w.key!r}: made of the quantized {key!r} by a conversion that is "
+                         "not one box of it; export_hf_checkpoint cannot quantize it by rows: "
+                         "export it with modelopt.torch.export.export_hf_checkpoint")
+    part = w.parts[0]
+    if isinstance(source, nn.Module):  # a linear: its whole weight, as it is
+        if len(src_shape) != 2 or part.shape != src_shape or any(part.src_start) \
+                or part.src_dims != (0, 1):
+            raise ValueError(f"{w.key!r}: a quantized weight of shape {list(src_shape)} "
+                             "written converted; export_hf_checkpoint quantizes 2-D linear "
+                             "weights written as they are held")
+        name = key[: -len(".weight")] if key.endswith(".weight") else ""
+        return _Unit(name, _format(source.weight_quantizer,
+                                   getattr(source, "input_quantizer", None)),
+                     source.weight_quantizer, getattr(source, "input_quantizer", None),
+                     getattr(source, "output_quantizer", None), 0, src_shape[0])
+    module, attr = source  # fused experts [E, rows, cols]: one expert's rows, every column
+    if len(src_shape) != 3 or part.src_dims != (1, 2) or part.shape[1] != src_shape[2]:
+        raise ValueError(f"{w.key!r}: written from the fused experts {key!r} "
+                         f"{list(src_shape)} other than as rows of one expert (a transposed "
+                         "layout); export it with modelopt.torch.export.export_hf_checkpoint")
+    expert = part.src_start[0]
+    wq = getattr(module, f"{attr}_weight_quantizers")[expert]
+    iq = getattr(module, f"{attr}_input_quantizer", None)
+    amax = getattr(wq, "_amax", None)
+    if getattr(wq, "is_enabled", False) and (amax is None or bool(torch.all(amax == 0))):
+        raise ValueError(f"{w.key!r}: expert {expert} of {key!r} was not calibrated (its amax "
+                         "is missing or zero); ModelOpt then takes the amax of its whole "
+                         "weight, which is not computed from the shards -- calibrate with "
+                         "data that routes tokens to every expert")
+    return _Unit(w.key.removesuffix(".weight"), _format(wq, iq), wq, iq, None,
+                 part.src_start[1], src_shape[1])
+
+
+def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = None
+            ) -> Quantized | None:
     """For a model ModelOpt quantized: ``state`` rewritten in place as ModelOpt's export
     writes it (its quantizers' buffers dropped or renamed -- ``pre_quant_scale``, KV cache
-    scales --, each quantized weight's global scales added as small tensors) and the
-    computed tensors (:class:`Quantized`); None for any other model (``state`` untouched).
-    ValueError naming the module and the format where a format is not written from the
-    shards."""
-    modules = quantized_modules(model)
-    if not modules:
+    scales --, each quantized weight's global scales added as small tensors under their
+    written keys) and the tensors computed in place of its weights (:class:`Quantized`);
+    None for any other model (``state`` untouched). ValueError naming the module and the
+    format where a weight is not written from the shards. Runs ModelOpt's own steps before
+    it quantizes, in place (:func:`_sync_amax`), as its export does."""
+    sources = _sources(model)
+    if not sources:
         return None
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
     from modelopt.torch.export.quant_utils import _postprocess_single_tensor, get_quant_config
 
-    for name, (_m, fmt) in modules.items():
-        if fmt not in ROW_FORMATS:
-            raise ValueError(
-                f"{name}: ModelOpt quantized it as {fmt!r}, which export_hf_checkpoint does not "
-                f"write from the shards (it writes {', '.join(sorted(ROW_FORMATS))}); export "
-                "it with modelopt.torch.export.export_hf_checkpoint instead")
     dtype = export_dtype(model)
-    quant_config = get_quant_config(model)
-    kv_format = quant_config["quantization"].get("kv_cache_quant_algo")
-    weights = {f"{name}.weight" if name else "weight": name for name in modules}
+    _sync_amax(model, dtype)
+    held = {k: (v.dtype, tuple(v.shape)) for k, v in state.items()
+            if isinstance(v, torch.Tensor)}
     out = Quantized()
     digest: list[tuple] = []
+    extra: dict[str, torch.Tensor] = {}
+    for w in _keys.resolve_written(model, held, converts):
+        unit = _unit_of(w, sources, held)
+        if unit is None:
+            continue
+        if unit.fmt not in ROW_FORMATS:
+            raise ValueError(
+                f"{unit.name}: ModelOpt quantized it as {unit.fmt!r}, which "
+                f"export_hf_checkpoint does not write from the shards (it writes "
+                f"{', '.join(sorted(ROW_FORMATS))}); export it with "
+                "modelopt.torch.export.export_hf_checkpoint instead")
+        _plan_unit(w, unit, held[w.parts[0].source][0], dtype, out, extra, digest)
+    quant_config = get_quant_config(model)
+    kv_format = quant_config["quantization"].get("kv_cache_quant_algo")
     rewritten: dict[str, Any] = {}
     for key, value in state.items():
-        name = weights.get(key)
-        if name is not None:
-            module, fmt = modules[name]
+        if key in sources:
             rewritten[key] = value  # the source of the computed tensors
-            _plan_module(name, module, fmt, key, value, dtype, out, rewritten, digest)
             continue
         new_key, new_value = _postprocess_single_tensor(key, value, _KV_CACHE_MAXBOUND, kv_format)
         if new_key is not None:
             rewritten[new_key] = new_value
+    rewritten.update(extra)
     state.clear()
     state.update(rewritten)
     out.files["hf_quant_config.json"] = json.dumps(quant_config, indent=4)
@@ -227,86 +329,55 @@ def prepare(model: nn.Module, state: dict[str, Any]) -> Quantized | None:
     return out
 
 
-def _plan_module(name: str, module: nn.Module, fmt: str, key: str, weight: Any,
-                 dtype: torch.dtype, out: Quantized, state: dict[str, Any],
-                 digest: list[tuple]) -> None:
-    """One quantized linear: its global outputs into ``state``, its per-row ones into
-    ``out.computed``. Which is which: ModelOpt's export of ``step`` and ``2 * step`` rows of
-    ones (a per-row output grows with them)."""
-    shape = tuple(weight.shape)
-    if len(shape) != 2:
-        raise ValueError(f"{name}: a quantized weight of shape {list(shape)}; export_hf_checkpoint "
-                         "writes quantized 2-D linear weights from the shards (fused 3-D experts "
-                         "not yet); export it with modelopt.torch.export.export_hf_checkpoint")
-    step = ROW_FORMATS[fmt]
+def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype,
+               out: Quantized, extra: dict[str, torch.Tensor], digest: list[tuple]) -> None:
+    """One quantized weight: its global outputs into ``extra``, its per-row ones into
+    ``out.replaces``. Which is which: ModelOpt's export of ``2 * step`` and ``4 * step``
+    rows of ones (a per-row output grows with them)."""
+    shape = w.shape
+    step = ROW_FORMATS[unit.fmt]
     total = shape[0]
-    if total % step:
-        raise ValueError(f"{name}: {fmt} takes {step} rows together, but its weight has "
-                         f"{total} rows")
-    prefix = f"{name}." if name else ""
+    if len(shape) != 2 or total % step:
+        raise ValueError(f"{w.key!r}: {unit.fmt} takes {step} rows of a 2-D weight together, "
+                         f"but it has shape {list(shape)}")
     probe = 2 * step if 4 * step <= total else total
 
     def ones(n: int) -> dict[str, torch.Tensor]:
-        return _export_rows(module, torch.ones((n, shape[1]), dtype=weight.dtype), 0, total,
-                            dtype, step)
+        return _export_rows(unit, torch.ones((n, shape[1]), dtype=weight_dtype), 0, dtype)
 
     one = ones(probe)
-    # (a weight of under four blocks: every output with rows is computed from the rows)
+    # (a weight of under four blocks: every output with rows is computed from its rows)
     two = one if probe == total else ones(2 * probe)
-    what = f"{name} ({fmt})"
+    prefix = w.key.removesuffix("weight")
+    what = f"{unit.name} ({unit.fmt})"
     for suffix, small in one.items():
-        big = two[suffix]
         per_row = suffix == "weight" or (small.dim() > 0 and (
-            big.shape != small.shape or two is one))
+            two[suffix].shape != small.shape or two is one))
         if not per_row:
-            state[prefix + suffix] = small.contiguous()
+            extra[prefix + suffix] = small.contiguous()
             digest.append((prefix + suffix, str(small.dtype), tuple(small.shape),
                            small.float().reshape(-1).tolist()))
             continue
-        out_rows = small.shape[0] * step // probe  # written rows per `step` in-memory rows
-        rows = total // step * out_rows
-        written_shape = (rows, *small.shape[1:])
-        fn = _RowsOf(module, suffix, total, dtype, step)
-        out.computed[prefix + suffix] = (key, small.dtype, written_shape,
-                                         Transform(fn, step, out_rows, what))
+        out_rows = small.shape[0] * step // probe  # written rows per `step` weight rows
+        written_shape = (total // step * out_rows, *small.shape[1:])
+        transform = Transform(_RowsOf(unit, suffix, dtype), step, out_rows, what, weight_dtype,
+                              tuple(shape))
+        out.replaces.setdefault(w.key, []).append((prefix + suffix, small.dtype, written_shape,
+                                                   transform))
         digest.append((prefix + suffix, str(small.dtype), written_shape))
 
 
-class _RowsOf:
-    """One output of ModelOpt's export of a module's weight, for the rows a rank holds."""
-
-    def __init__(self, module: nn.Module, suffix: str, total: int, dtype: torch.dtype,
-                 step: int) -> None:
-        self.module, self.suffix, self.total, self.dtype, self.step = (module, suffix, total,
-                                                                       dtype, step)
-
-    def __call__(self, rows: torch.Tensor, first: int) -> torch.Tensor:
-        return _export_rows(self.module, rows, first, self.total, self.dtype,
-                            self.step)[self.suffix]
-
-
-def apply(written: list[Written], quantized: Quantized) -> list[Written]:
+def apply(written: list[_keys.Written], quantized: Quantized) -> list[_keys.Written]:
     """The written tensors with each quantized weight replaced by the tensors computed from
-    it (the weight and its per-row scales, each beside its source's place)."""
-    by_source: dict[str, list[str]] = {}
-    for key, (source, *_rest) in quantized.computed.items():
-        by_source.setdefault(source, []).append(key)
+    it (the weight and its per-row scales), in its place."""
     out = []
     for w in written:
-        keys = by_source.get(w.parts[0].source) if len(w.parts) == 1 else None
-        if not keys:
-            if any(p.source in by_source for p in w.parts):
-                # (a quantized weight that transformers writes converted: refused by the plan)
-                key = next(k for p in w.parts for k in by_source.get(p.source, ()))
-                _s, dtype, shape, t = quantized.computed[key]
-                out.append(Written(w.key, dtype, shape, w.parts, None, t))
-                continue
+        computed = quantized.replaces.get(w.key)
+        if computed is None:
             out.append(w)
             continue
-        for key in keys:
-            _source, dtype, shape, t = quantized.computed[key]
-            out.append(Written(key if w.key == _source else w.key + key[len(_source):],
-                               dtype, shape, w.parts, None, t))
+        out.extend(_keys.Written(key, dtype, shape, w.parts, None, t)
+                   for key, dtype, shape, t in computed)
     return out
 
 

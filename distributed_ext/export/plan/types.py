@@ -15,18 +15,20 @@ from distributed_ext.export.plan.blocks import Block, Runs, _piece_runs
 
 @dataclass(frozen=True, slots=True)
 class Transform:
-    """A written tensor computed row block by row block from one in-memory tensor (a
-    quantized weight, its per-row or per-block scales): ``fn(rows, first)`` turns the in-memory
-    tensor's rows ``first .. first + len(rows)`` (every column) into the written tensor's rows
-    ``first // step * out_rows .. ``, ``out_rows`` written rows per ``step`` in-memory rows.
-    A block of the in-memory tensor must hold whole rows and start and end on a multiple of
-    ``step`` (a packed pair, a 2-D quantization block); ``what`` names the module and the
-    format in a refusal."""
+    """A written tensor computed row block by row block from another (a quantized weight,
+    its per-row or per-block scales, from the weight transformers would write):
+    ``fn(rows, first)`` turns that tensor's rows ``first .. first + len(rows)`` (every column)
+    into the written tensor's rows ``first // step * out_rows ..``, ``out_rows`` written rows
+    per ``step`` source rows. A block of the source must hold whole rows and start and end on
+    a multiple of ``step`` (a packed pair of rows); ``what`` names the module and the format
+    in a refusal."""
 
     fn: Callable[[torch.Tensor, int], torch.Tensor]
     step: int
     out_rows: int
     what: str
+    source_dtype: torch.dtype  # the tensor the rows are of (as transformers would write it)
+    source_shape: tuple[int, ...]
 
 
 @dataclass(slots=True)
