@@ -23,7 +23,8 @@ from distributed_ext._spawn import RankOutcome as RankResult
 from distributed_ext._spawn import run_local
 
 __all__ = ["REPO", "RankResult", "assert_all_ok", "free_port", "nccl_group_of_one", "outcome",
-           "read_rss", "rename_failing_at", "run_command", "run_ranks", "run_torchrun"]
+           "read_rss", "rename_failing_at", "rss_growth_during", "run_command", "run_ranks",
+           "run_torchrun"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,6 +77,33 @@ def read_rss() -> int:
     """This process's resident set size in bytes (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_growth_during(fn: Any, trim: bool = False) -> int:
+    """The peak growth of this process's RSS while ``fn()`` runs (sampled every 5 ms).
+    ``trim``: first hand the C heap's free memory back (glibc ``malloc_trim``), so that what
+    ``fn`` allocates shows as growth rather than reusing what earlier work freed."""
+    import threading
+
+    if trim:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    peak, stop = [read_rss()], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.005):
+            peak.append(read_rss())
+
+    before = read_rss()
+    t = threading.Thread(target=sample)
+    t.start()
+    try:
+        fn()
+    finally:
+        stop.set()
+        t.join()
+    return max(peak) - before
 
 
 def run_command(args: list[str], timeout: float, env: dict[str, str] | None = None

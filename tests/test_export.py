@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_all_ok, outcome, read_rss, run_ranks
+from harness import assert_all_ok, outcome, rss_growth_during, run_ranks
 
 import distributed_ext as dx
 from distributed_ext import export as E
@@ -481,27 +481,6 @@ def test_max_shard_size_and_chunk_are_checked():
     assert E.parse_shard_size("5GB") == 5 * 10**9 and E.parse_shard_size("500MiB") == 500 * 2**20
 
 
-def _rss_growth_during(fn):
-    """The peak growth of this process's RSS while ``fn()`` runs (sampled every 5 ms)."""
-    import threading
-
-    peak, stop = [read_rss()], threading.Event()
-
-    def sample():
-        while not stop.wait(0.005):
-            peak.append(read_rss())
-
-    before = read_rss()
-    t = threading.Thread(target=sample)
-    t.start()
-    try:
-        fn()
-    finally:
-        stop.set()
-        t.join()
-    return max(peak) - before
-
-
 def _peak_during_export(out, nbytes):
     r = dist.get_rank()
     state = {f"layer{i}.{r}": torch.full((nbytes // 4 // 8,), float(i)) for i in range(8)}
@@ -513,7 +492,7 @@ def _peak_during_export(out, nbytes):
         real_commit(self)
 
     E.FileSink.commit = commit
-    grown = _rss_growth_during(lambda: dx.export_hf_checkpoint(state, out, writers="dst"))
+    grown = rss_growth_during(lambda: dx.export_hf_checkpoint(state, out, writers="dst"))
     return grown, written
 
 
@@ -536,7 +515,7 @@ def _peak_during_tp_export(out):
     # 8 x 32 MiB of fp32 Shard(1) rows (each rank's part of a row 2 KiB): 128 MiB a rank
     state = {f"w{i}": distribute_tensor(torch.full((8192, 1024), float(i)), mesh, [Shard(1)])
              for i in range(8)}
-    return _rss_growth_during(lambda: dx.export_hf_checkpoint(state, out, writers="all"))
+    return rss_growth_during(lambda: dx.export_hf_checkpoint(state, out, writers="all"))
 
 
 def test_tp_regions_hold_a_few_regions_on_every_rank(tmp_path):

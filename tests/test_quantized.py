@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from harness import assert_all_ok, run_ranks
+from harness import assert_all_ok, rss_growth_during, run_ranks
 
 # (found, not imported: a rank imports this module, and ModelOpt must not be loaded before
 # the test's own code decides how)
@@ -116,3 +116,42 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path):
             assert "mlp.gate_proj (int4_awq)" in odd[1] and "rows 0..299" in odd[1], odd[1]
             assert "multiple of 2" in odd[1], odd[1]
             assert not odd[2], odd  # nothing written
+
+
+# Two layers of 2048 x 16384 MLPs in bf16: 0.4 GB of weights, 0.2 GB a rank at world 2; the
+# largest weight 64 MiB, a rank's shard of it 32 MiB (its FP8 copy 16 MiB).
+BIG = dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=2,
+           num_attention_heads=16, num_key_value_heads=8)
+
+
+def _peaks_plain_then_quantized(base: str, fmt: str) -> tuple[int, int]:
+    """RSS growth of the export of an FSDP2 model, then of the same model quantized."""
+    warnings.filterwarnings("ignore")
+    import modelopt.torch.quantization as mtq
+
+    import distributed_ext as dx
+
+    model = hf_models.build("llama", 0, dtype=torch.bfloat16, **BIG).to(torch.bfloat16)
+    model.config.architectures = ["LlamaForCausalLM"]
+    dx.fsdp2_wrap(model)
+    plain = rss_growth_during(lambda: dx.export_hf_checkpoint(
+        model, os.path.join(base, "plain"), writers="dst"), trim=True)
+    batch = hf_models.make_input()
+    mtq.quantize(model, getattr(mtq, fmt), lambda m: m(batch))
+    quantized = rss_growth_during(lambda: dx.export_hf_checkpoint(
+        model, os.path.join(base, "quantized"), writers="dst"), trim=True)
+    return plain, quantized
+
+
+@pytest.mark.parametrize("fmt", ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"])
+def test_a_quantized_export_holds_one_blocks_quantized_copy_more_than_a_plain_one(fmt, tmp_path):
+    # Each rank quantizes its own rows, 1 MiB of them at a time: its peak grows by at most
+    # two blocks' quantized copies (one still being sent while the next is computed; the
+    # 32 MiB bf16 shard of gate_proj is 16 MiB in FP8, 9 MiB in NVFP4) and the arithmetic's
+    # temporaries -- never by a full weight (64 MiB in bf16).
+    values = assert_all_ok(run_ranks(_peaks_plain_then_quantized, 2, str(tmp_path), fmt,
+                                     timeout=300))
+    for plain, quantized in values:
+        assert quantized - plain < 44 * 2**20, (plain / 2**20, quantized / 2**20)
+    written = hf_models.read_checkpoint(str(tmp_path / "quantized"))
+    assert written["model.layers.1.mlp.gate_proj.weight"].shape[0] == 16384

@@ -149,7 +149,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                              "process is rank 0 (pass dst=0, or set the group up first)")
         if quantize and hub_keys and isinstance(model_or_state, nn.Module):
             inner = unwrap(model_or_state)
-            if _quantized.needs_fusion(inner):
+            if _quantized.needs_gather(inner):
                 _quantized.fuse_shared_inputs(inner)
         held: dict[str, Any] = {}
         describe(held)
@@ -271,19 +271,20 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
 
 
 def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str) -> None:
-    """ModelOpt's fusing of a quantized model's shared-input layers, where its export would
-    run it (:func:`plan.quantized.fuse_shared_inputs`): first agreed by every rank (a model
-    quantized on some ranks only is a ValueError on every rank), then run by every rank (a
-    forward, collective under FSDP2) and its outcome agreed."""
-    flags = all_reduce(f"{what}: quantized layers", lambda: _quantized.needs_fusion(model),
+    """ModelOpt's fusing of an AWQ-quantized model's shared-input layers, which rescales
+    their weights (:func:`plan.quantized.needs_gather`): first agreed by every rank (a model
+    quantized so on some ranks only is a ValueError on every rank), then run by every rank
+    (ModelOpt's forward and weight updates, collective under FSDP2) and its outcome agreed.
+    Every other format is fused by each rank alone, in the metadata round."""
+    flags = all_reduce(f"{what}: quantized layers", lambda: _quantized.needs_gather(model),
                        list, group)
     if not any(flags):
         return
     if not all(flags):
         ranks = [r for r, f in enumerate(flags) if not f]
-        raise ValueError(f"{what}: the model is quantized by ModelOpt on some ranks but not on "
-                         f"group ranks {ranks}; quantize it alike on every rank")
-    all_reduce(f"{what}: fusing the quantizers of layers that share an input",
+        raise ValueError(f"{what}: the model is AWQ-quantized by ModelOpt on some ranks but "
+                         f"not on group ranks {ranks}; quantize it alike on every rank")
+    all_reduce(f"{what}: fusing the AWQ scales of layers that share an input",
                lambda: _quantized.fuse_shared_inputs(model), list, group)
 
 

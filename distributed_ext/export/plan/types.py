@@ -30,6 +30,31 @@ class Transform:
     source_dtype: torch.dtype  # the tensor the rows are of (as transformers would write it)
     source_shape: tuple[int, ...]
 
+    def rows_of(self, rows: torch.Tensor, first: int) -> torch.Tensor:
+        """``fn`` of ``rows`` (source rows ``first ..``), computed ``TRANSFORM_BYTES`` of them
+        at a time into one output: the arithmetic's temporaries (several float32 copies, in
+        ModelOpt's) stay those of a few MiB whatever the block, and the block's computed copy
+        is the one thing held whole."""
+        n = rows.shape[0]
+        row_bytes = rows[:1].numel() * rows.element_size()
+        chunk = max(self.step, TRANSFORM_BYTES // max(row_bytes, 1) // self.step * self.step)
+        if n <= chunk:
+            return self.fn(rows, first)
+        out: torch.Tensor | None = None
+        for a in range(0, n, chunk):
+            part = self.fn(rows[a : a + chunk], first + a)
+            if out is None:
+                out = torch.empty((n // self.step * self.out_rows, *part.shape[1:]),
+                                  dtype=part.dtype, device=part.device)
+            at = a // self.step * self.out_rows
+            out[at : at + part.shape[0]] = part
+        assert out is not None
+        return out
+
+
+# Source bytes a transform computes at once (Transform.rows_of).
+TRANSFORM_BYTES = 2**20
+
 
 @dataclass(slots=True)
 class Piece:

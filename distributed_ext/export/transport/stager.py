@@ -28,7 +28,7 @@ def _piece_tensor(state: dict[str, torch.Tensor], entry: Entry, piece: Piece) ->
         t = t.reshape((piece.block if piece.src is None else piece.src).shape)
     if entry.transform is not None:  # computed here, from the rows this rank holds
         assert piece.src is not None
-        t = entry.transform.fn(t, piece.src.offset[0])
+        t = entry.transform.rows_of(t, piece.src.offset[0])
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -102,6 +102,9 @@ class _Stager:
             return None
         if self.current[1] is p and self.current[0] is e:  # a large piece, over messages
             return self.current[2]
+        # Dropped before the next is read: a computed piece (a quantized block) is a copy,
+        # and two of them need not be held at once.
+        self.current = (None, None, None)
         try:
             data = _piece_tensor(self.state, e, p)
         except BaseException as exc:  # noqa: BLE001 - agreed after the stream ends
