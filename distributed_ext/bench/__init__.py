@@ -9,7 +9,8 @@ One module per concern (the CLI: :mod:`.cli`, ``python -m distributed_ext.bench`
 - :mod:`.methods`: the methods of each workload and their baselines, one method's figures.
 - Workloads, each with what it measures, its baselines and its targets: :mod:`.gather`
   (bytes, state-dict), :mod:`.export` (an FSDP2 model and the disk), :mod:`.many` (many small
-  tensors), :mod:`.tp` (a TP layout's rows), :mod:`.fsdp_tp` (torch's 2-D recipe);
+  tensors), :mod:`.tp` (a TP layout's rows), :mod:`.fsdp_tp` (torch's 2-D recipe),
+  :mod:`.quantized` (a ModelOpt-quantized model beside ModelOpt's own export);
   :mod:`.measure`: the timing loop they run in the ranks.
 - :mod:`.report`: the table, target verdicts, environment, JSON and plot.
 """
@@ -49,6 +50,12 @@ from distributed_ext.bench.methods import (  # noqa: F401
 from distributed_ext.bench.progress import (  # noqa: F401
     ProgressBar,
     Running,
+)
+from distributed_ext.bench.quantized import (  # noqa: F401
+    QUANTIZED_ROUTES,
+    build_quantized_model,
+    format_quantized,
+    measure_quantized,
 )
 from distributed_ext.bench.report import (  # noqa: F401
     check_targets,

@@ -4,6 +4,7 @@ their own memory, packed by the compiled core, or copied through pinned or devic
 from __future__ import annotations
 
 import array
+import math
 
 import torch
 import torch.nn as nn
@@ -17,7 +18,9 @@ from distributed_ext.export.plan.types import Entry, Piece
 def _piece_tensor(state: dict[str, torch.Tensor], entry: Entry, piece: Piece) -> torch.Tensor:
     """A piece's elements as a contiguous tensor, in the written tensor's row-major order, on
     the device they live on: the local block itself where the piece is all of it, a view
-    where they are contiguous in it, else one contiguous copy of the piece (never of more)."""
+    where they are contiguous in it, else one contiguous copy of the piece (never of more).
+    A computed piece (``entry.transform``): the block it is computed from, as such a tensor
+    (:func:`_computed_bytes` computes the bytes)."""
     t = _local(state[piece.source or entry.source])
     if t.requires_grad:
         t = t.detach()
@@ -26,10 +29,21 @@ def _piece_tensor(state: dict[str, torch.Tensor], entry: Entry, piece: Piece) ->
         if piece.perm is not None:
             t = t.permute(piece.perm)
         t = t.reshape((piece.block if piece.src is None else piece.src).shape)
-    if entry.transform is not None:  # computed here, from the rows this rank holds
-        assert piece.src is not None
-        t = entry.transform.rows_of(t, piece.src.offset[0])
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _computed_bytes(source: torch.Tensor, entry: Entry, piece: Piece, s: int, n: int
+                    ) -> torch.Tensor:
+    """Bytes ``s .. s + n`` of a computed piece, computed from only the rows of its source
+    block (``source``) that make them: a message's worth at a time, whatever the block (a
+    quantized weight's shard is never computed whole)."""
+    t = entry.transform
+    assert t is not None and piece.src is not None
+    group = math.prod(piece.block.shape[1:]) * entry.dtype.itemsize * t.out_rows
+    first, last = s // group, -(-(s + n) // group)  # groups of written rows
+    out = t.rows_of(source[first * t.step : last * t.step], piece.src.offset[0] + first * t.step)
+    at = s - first * group
+    return _flat_bytes(out if out.is_contiguous() else out.contiguous())[at : at + n]
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -102,9 +116,7 @@ class _Stager:
             return None
         if self.current[1] is p and self.current[0] is e:  # a large piece, over messages
             return self.current[2]
-        # Dropped before the next is read: a computed piece (a quantized block) is a copy,
-        # and two of them need not be held at once.
-        self.current = (None, None, None)
+        self.current = (None, None, None)  # (dropped first: a piece may be a copy)
         try:
             data = _piece_tensor(self.state, e, p)
         except BaseException as exc:  # noqa: BLE001 - agreed after the stream ends
@@ -165,18 +177,19 @@ class _Stager:
             if packed is not None:
                 return packed, None
         n = _message_nbytes(message)
-        sources = [self._bytes(e, p) for e, p, _s, _n in message]
+        # Each segment as (a tensor, the segment's first byte in it).
+        sources = [self._segment(e, p, s, m) for e, p, s, m in message]
         if self.failure is not None:
             return self._failed_bytes(slot, n), None
-        if len(message) == 1 and sources[0].device.type == self.link.type:
-            s = message[0][2]
-            data = _flat_bytes(sources[0])
+        if len(message) == 1 and sources[0][0].device.type == self.link.type:
+            d, s = sources[0]
+            data = _flat_bytes(d)
             return data[s : s + n], data  # from where it lives
         out = self._slot(slot, n, shift)
-        if self.link.type == "cpu" and not any(d.is_cuda for d in sources):
+        if self.link.type == "cpu" and not any(d.is_cuda for d, _s in sources):
             # Many small host pieces: one native pass, no Python per byte.
             rows, at = [], 0
-            for (_e, _p, s, m), d in zip(message, sources):
+            for (_e, _p, _s, m), (d, s) in zip(message, sources):
                 rows.append((d.data_ptr() + s, at, m))
                 at += m
             _native.pack_segments(out, rows)  # the sources are alive: held here
@@ -185,10 +198,25 @@ class _Stager:
             # wait() made the current stream wait for it); D2H into pinned memory returns
             # once the bytes are there.
             at = 0
-            for (_e, _p, s, m), d in zip(message, sources):
+            for (_e, _p, _s, m), (d, s) in zip(message, sources):
                 out[at : at + m].copy_(_flat_bytes(d)[s : s + m])
                 at += m
         return out, None
+
+    def _segment(self, e: Entry, p: Piece, s: int, n: int) -> tuple[torch.Tensor, int]:
+        """A segment's bytes: the piece (:meth:`_bytes`) and ``s``; for a computed piece,
+        the ``n`` bytes themselves (:func:`_computed_bytes`) and 0. After a failure, an
+        empty tensor (the message is then sent as zeros)."""
+        data = self._bytes(e, p)
+        if data is None:
+            return torch.empty(0, dtype=torch.uint8), 0
+        if e.transform is None:
+            return data, s
+        try:
+            return _computed_bytes(data, e, p, s, n), 0
+        except BaseException as exc:  # noqa: BLE001 - agreed after the stream ends
+            self.failure = exc
+            return torch.empty(0, dtype=torch.uint8), 0
 
     def _pack_whole_blocks(self, message: list[Segment], slot: int, shift: int
                            ) -> torch.Tensor | None:
