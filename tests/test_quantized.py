@@ -1,6 +1,6 @@
 """A ModelOpt-quantized FSDP2 model exported from its shards (export/plan/quantized.py),
 compared tensor by tensor, byte for byte, and JSON file by JSON file, with ModelOpt's own
-one-process ``export_hf_checkpoint`` of the same quantized model (a dense Llama in five
+one-process ``export_hf_checkpoint`` of the same quantized model (a dense Llama in seven
 formats, Qwen3-MoE's fused experts in two); a layout whose shard boundary splits a packed
 pair of rows refused on every rank."""
 
@@ -23,7 +23,7 @@ if importlib.util.find_spec("modelopt") is None:
 import hf_models  # noqa: E402
 
 FORMATS = ["FP8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN_CFG", "INT8_WEIGHT_ONLY_CFG",
-           "NVFP4_DEFAULT_CFG", "INT4_AWQ_CFG"]
+           "NVFP4_DEFAULT_CFG", "INT4_AWQ_CFG", "INT8_SMOOTHQUANT_CFG", "W4A16_NVFP4_CFG"]
 # (family, format): the dense Llama in every format; Qwen3-MoE's fused experts (split per
 # expert, each with its expert's quantizer) in FP8 and NVFP4.
 CASES = [("llama", f) for f in FORMATS] + [("qwen3-moe", "FP8_DEFAULT_CFG"),

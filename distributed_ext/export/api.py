@@ -74,6 +74,33 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     part under ``dense="replicate"``: none of it crosses the link) or by an expert shard's
     ``edp`` replicas; anything else raises ValueError on every rank before any byte moves.
 
+    Quantized models: a model that NVIDIA ModelOpt quantized (``mtq.quantize``; its
+    quantizers are detected, nothing to pass) is written as ModelOpt's own
+    ``export_hf_checkpoint(model, dtype=..., export_dir=...)`` writes it in one process: the
+    same keys, dtypes, shapes and bytes (quantized weights and their ``weight_scale``,
+    ``weight_scale_2``, ``input_scale``, ``pre_quant_scale`` and KV cache scales; the other
+    tensors as they are; a MoE's fused experts split per expert, each with its expert's
+    quantizer), ``hf_quant_config.json``, and ``config.json`` with its
+    ``quantization_config``. Every rank computes the rows of each quantized tensor from the
+    rows of the weight it holds, with ModelOpt's own export function on a stand-in of those
+    rows, a message's worth at a time, where it writes or sends them: no rank gathers a
+    weight. Formats: FP8 (per-tensor, per-channel), INT8 (weight-only, SmoothQuant), NVFP4
+    (W4A4, W4A16), INT4 AWQ; any other is a ValueError on every rank naming the module and
+    the format, before any byte moves, as is a shard boundary that splits what a format
+    computes together (INT4 AWQ packs two rows in a byte: the message names the rows), a
+    column-split weight (the formats are computed along whole rows), and ranks that hold
+    different calibration results. As ModelOpt's export does, the quantizers of layers
+    that read one input are first fused in place (one input amax and one per-tensor weight
+    amax for q, k, v; gate, up) -- the groups found by a forward of two tokens on a
+    weightless replica of the model, so no weight is read --; where there are pre-quant
+    scales (INT4 AWQ, INT8 SmoothQuant), whose fusing rescales the weights of such groups and
+    folds the scale into the norm before them, ModelOpt's own function runs on every rank (a
+    forward of the model, gathering those groups' weights one group at a time, as ModelOpt
+    does). Memory beyond an unquantized
+    export: the quantized bytes of the messages in flight (at most three chunks) and the
+    arithmetic's temporaries for 1 MiB of rows at a time (ModelOpt's NVFP4 makes several
+    float32 copies of them). ModelOpt stays optional (the ``[quantize]`` extra).
+
     Output: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files of at most
     ``max_shard_size`` each plus ``model.safetensors.index.json``, readable by
     ``safetensors.safe_open`` and ``from_pretrained``.

@@ -121,14 +121,16 @@ def _model_format(model: nn.Module) -> str | None:
 
 
 def needs_gather(model: nn.Module) -> bool:
-    """Whether ModelOpt's fusing of this model's shared-input layers rescales weights (AWQ's
-    pre-quant scales averaged over the layers that read one input): only ModelOpt's own
+    """Whether ModelOpt's fusing of this model's shared-input layers rescales weights (pre-quant
+    scales -- AWQ's, SmoothQuant's -- averaged over the layers that read one input): ModelOpt's own
     ``requantize_resmooth_fused_llm_layers`` does that, gathering each such group's weights
     and running a forward (collective under FSDP2: see :func:`fuse_shared_inputs`)."""
     if not _modelopt_loaded():
         return False
-    fmt = _model_format(model)
-    return fmt is not None and "awq" in fmt
+    # (ModelOpt's condition: preprocess_linear_fusion rescales where there is such a scale)
+    return any(getattr(getattr(m, "input_quantizer", None), "pre_quant_scale", None) is not None
+               for m in model.modules() if isinstance(getattr(m, "weight_quantizer", None),
+                                                      nn.Module))
 
 
 def fuse_shared_inputs(model: nn.Module) -> None:
@@ -139,9 +141,9 @@ def fuse_shared_inputs(model: nn.Module) -> None:
     ModelOpt finds those groups with a forward of the model, which under FSDP2 gathers every
     layer's weights; here the forward runs on a weightless replica instead (the model's class
     from its config, every parameter one element broadcast to its shape, every linear
-    answering zeros), so it reads no weight and runs on this rank alone. AWQ formats, whose
-    fusing rescales the weights themselves, run ModelOpt's own function instead
-    (:func:`needs_gather`)."""
+    answering zeros), so it reads no weight and runs on this rank alone. A model with
+    pre-quant scales (AWQ, SmoothQuant), whose fusing rescales the weights themselves, runs
+    ModelOpt's own function instead (:func:`needs_gather`)."""
     fmt = _model_format(model)
     if fmt is None or fmt in _UNFUSED:
         return  # (ModelOpt's fusing leaves these as they are)
