@@ -53,12 +53,16 @@ def _quantized(family: str, fmt: str, dims: dict | None = None):
 
 
 def _modelopt_exports(base: str, cases: list[tuple[str, str]]) -> None:
-    """ModelOpt's own export, one process, no process group: the reference files."""
+    """ModelOpt's own export, one process, no process group: the reference files; and ours
+    of the first case in the same process, with no process group at all."""
     from modelopt.torch.export import export_hf_checkpoint
+
+    import distributed_ext as dx
 
     for family, fmt in cases:
         export_hf_checkpoint(_quantized(family, fmt), dtype=torch.bfloat16,
                              export_dir=os.path.join(base, "ref", family, fmt))
+    dx.export_hf_checkpoint(_quantized(*cases[0]), os.path.join(base, "alone"))
 
 
 def _export_shards(base: str, cases: list[tuple[str, str]], writers: str) -> dict:
@@ -73,6 +77,16 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str) -> dic
         dx.fsdp2_wrap(model)
         dx.export_hf_checkpoint(model, os.path.join(base, "ours", family, fmt), writers=writers)
     out = {}
+    if dist.get_world_size() == 2:  # rank 1 calibrated otherwise: agreed, refused
+        model = _quantized("llama", "FP8_DEFAULT_CFG")
+        dx.fsdp2_wrap(model)
+        if dist.get_rank() == 1:
+            model.model.layers[0].mlp.down_proj.input_quantizer.amax *= 2
+        try:
+            dx.export_hf_checkpoint(model, os.path.join(base, "differ"))
+            out["differ"] = ("ok",)
+        except Exception as exc:  # noqa: BLE001 - asserted by the test
+            out["differ"] = (type(exc).__name__, str(exc))
     if dist.get_world_size() == 3:
         model = _quantized("llama", "INT4_AWQ_CFG", ODD_DIMS)
         dx.fsdp2_wrap(model)
@@ -110,6 +124,14 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path):
         for name in ("hf_quant_config.json", "config.json"):
             with open(os.path.join(ref_dir, name)) as f, open(os.path.join(our_dir, name)) as g:
                 assert json.load(g) == json.load(f), (fmt, name)
+    alone = hf_models.read_checkpoint(os.path.join(base, "alone"))
+    ref = hf_models.read_checkpoint(os.path.join(base, "ref", *CASES[0]))
+    assert sorted(alone) == sorted(ref) and all(_same_bytes(ref[k], alone[k]) for k in ref)
+    if world == 2:
+        for differ in (r["differ"] for r in results):
+            assert differ[0] == "ValueError", differ
+            assert "the quantized model (formats, shapes, scales) differs between ranks" in \
+                differ[1], differ[1]
     if world == 3:
         for odd in (r["odd"] for r in results):
             assert odd[0] == "ValueError", odd
@@ -118,9 +140,9 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path):
             assert not odd[2], odd  # nothing written
 
 
-# Two layers of 2048 x 16384 MLPs in bf16: 0.4 GB of weights, 0.2 GB a rank at world 2; the
+# One layer of a 2048 x 16384 MLP in bf16: 0.2 GB of weights, 0.1 GB a rank at world 2; the
 # largest weight 64 MiB, a rank's shard of it 32 MiB (its FP8 copy 16 MiB).
-BIG = dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=2,
+BIG = dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=1,
            num_attention_heads=16, num_key_value_heads=8)
 CHUNK = 4 * 2**20
 
@@ -156,4 +178,4 @@ def test_a_quantized_export_holds_a_few_chunks_more_than_a_plain_one(fmt, tmp_pa
     for plain, quantized in values:
         assert quantized - plain < 3 * CHUNK + 24 * 2**20, (plain / 2**20, quantized / 2**20)
     written = hf_models.read_checkpoint(str(tmp_path / "quantized"))
-    assert written["model.layers.1.mlp.gate_proj.weight"].shape[0] == 16384
+    assert written["model.layers.0.mlp.gate_proj.weight"].shape[0] == 16384

@@ -12,7 +12,7 @@ from distributed_ext.bench.measure import _time_routes, routes_in_fresh_ranks
 from distributed_ext.bench.methods import _PARALLEL_DISK
 from distributed_ext.bench.resources import _filesystem, _load_text
 from distributed_ext.bench.sizes import format_size
-from distributed_ext.bench.tp import _route_table
+from distributed_ext.bench.tp import _ratio_lines, _route_table
 
 _HF_SAVE = "transformers gather_full_state_dict+save_pretrained"
 FSDP_TP_ROUTES = ("writers=all", "writers=dst", _HF_SAVE, "disk O_DIRECT write",
@@ -105,16 +105,11 @@ def format_fsdp_tp(rows: list[tuple[str, Timing, list]], world: int, size: int, 
              *_route_table(rows)]
     get = {r: t for r, t, _io in rows}
     ours = get["writers=all"]
-    for label, base_t, target in (
-            ("transformers' save / ours", get[_HF_SAVE], 5.0),
-            ("ours vs the disk's O_DIRECT rate (dst alone)", get["disk O_DIRECT write"], 0.8),
-            ("ours vs the disk's O_DIRECT rate, every rank its share", get[_PARALLEL_DISK],
-             0.8)):
-        for when, a, b in (("first call", base_t.first, ours.first),
-                           ("warm", base_t.median, ours.median)):
-            ratio = a / b
-            lines.append(f"  {'met ' if ratio >= target else 'MISSED'} {label}, {when}: "
-                         f"{ratio:.2f}x (target >= {target}x)")
+    lines += _ratio_lines([
+        ("transformers' save / ours", get[_HF_SAVE], 5.0),
+        ("ours vs the disk's O_DIRECT rate (dst alone)", get["disk O_DIRECT write"], 0.8),
+        ("ours vs the disk's O_DIRECT rate, every rank its share", get[_PARALLEL_DISK],
+         0.8)], ours)
     one = get["writers=dst"]
     lines.append(f"  writers=dst / writers=all: first call {one.first / ours.first:.2f}x, "
                  f"warm {one.median / ours.median:.2f}x")

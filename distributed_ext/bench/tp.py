@@ -72,3 +72,16 @@ def _route_table(rows: list[tuple[str, Timing, list]]) -> list[str]:
         lines.append(f"| {route} | {t.first:.3f} | {t.median:.3f} | {t.low:.3f}-{t.high:.3f} "
                      f"| {per_rank} |")
     return lines
+
+
+def _ratio_lines(checks: list[tuple[str, Timing, float]], ours: Timing) -> list[str]:
+    """A verdict line per (label, baseline, target) and per first call / warm median:
+    the baseline's seconds over ours against the target."""
+    lines = []
+    for label, base, target in checks:
+        for when, a, b in (("first call", base.first, ours.first),
+                           ("warm", base.median, ours.median)):
+            ratio = a / b
+            lines.append(f"  {'met ' if ratio >= target else 'MISSED'} {label}, {when}: "
+                         f"{ratio:.2f}x (target >= {target}x)")
+    return lines

@@ -25,6 +25,7 @@ ModelOpt is imported only for a model that has its quantizers (it is then alread
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -292,7 +293,7 @@ def _copy(quantizer: nn.Module) -> nn.Module:
     """A copy of a quantizer that ModelOpt's export may change (set, convert or delete its
     buffers and attributes) without changing the model's: its own attribute and buffer
     tables over the same tensors (a deep copy costs a millisecond a call, and a call is made
-    per 4 MiB of rows); a quantizer with submodules is copied deeply."""
+    per 1 MiB of rows); a quantizer with submodules is copied deeply."""
     if quantizer._modules:
         return copy.deepcopy(quantizer)
     out = copy.copy(quantizer)
@@ -419,10 +420,17 @@ def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = Non
     quant_config = get_quant_config(model)
     kv_format = quant_config["quantization"].get("kv_cache_quant_algo")
     rewritten: dict[str, Any] = {}
+    # Every rank computes the same tensors only from the same calibration results: their
+    # digest is agreed in the metadata round.
+    calibration = hashlib.blake2b(digest_size=16)
     for key, value in state.items():
         if key in sources:
             rewritten[key] = value  # the source of the computed tensors
             continue
+        if "quantizer" in key and type(value) is torch.Tensor:
+            calibration.update(key.encode("utf-8", "surrogatepass"))
+            calibration.update(value.detach().cpu().contiguous().reshape(-1)
+                               .view(torch.uint8).numpy().tobytes())
         new_key, new_value = _postprocess_single_tensor(key, value, _KV_CACHE_MAXBOUND, kv_format)
         if new_key is not None:
             rewritten[new_key] = new_value
@@ -431,7 +439,7 @@ def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = Non
     state.update(rewritten)
     out.files["hf_quant_config.json"] = json.dumps(quant_config, indent=4)
     out.quantization_config = convert_hf_quant_config_format(quant_config)
-    out.digest = (str(dtype), tuple(digest))
+    out.digest = (str(dtype), tuple(digest), calibration.hexdigest())
     return out
 
 
