@@ -50,6 +50,7 @@ from distributed_ext.export.files.sinks import FileSink
 from distributed_ext.export.files.writers import resolve_writers
 from distributed_ext.export.plan import keys as _keys
 from distributed_ext.export.plan import quantized as _quantized
+from distributed_ext.export.plan import shared_inputs as _shared_inputs
 from distributed_ext.export.plan.entries import (
     Described,
     _Args,
@@ -149,8 +150,8 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                              "process is rank 0 (pass dst=0, or set the group up first)")
         if quantize and hub_keys and isinstance(model_or_state, nn.Module):
             inner = unwrap(model_or_state)
-            if _quantized.needs_gather(inner):
-                _quantized.fuse_shared_inputs(inner)
+            if _shared_inputs.needs_gather(inner):
+                _shared_inputs.fuse_shared_inputs(inner)
         held: dict[str, Any] = {}
         describe(held)
         state, model = held["local"], held["model"]
@@ -272,11 +273,11 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
 
 def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str) -> None:
     """ModelOpt's fusing of an AWQ-quantized model's shared-input layers, which rescales
-    their weights (:func:`plan.quantized.needs_gather`): first agreed by every rank (a model
+    their weights (:func:`plan.shared_inputs.needs_gather`): first agreed by every rank (a model
     quantized so on some ranks only is a ValueError on every rank), then run by every rank
     (ModelOpt's forward and weight updates, collective under FSDP2) and its outcome agreed.
     Every other format is fused by each rank alone, in the metadata round."""
-    flags = all_reduce(f"{what}: quantized layers", lambda: _quantized.needs_gather(model),
+    flags = all_reduce(f"{what}: quantized layers", lambda: _shared_inputs.needs_gather(model),
                        list, group)
     if not any(flags):
         return
@@ -285,7 +286,7 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
         raise ValueError(f"{what}: the model is AWQ-quantized by ModelOpt on some ranks but "
                          f"not on group ranks {ranks}; quantize it alike on every rank")
     all_reduce(f"{what}: fusing the AWQ scales of layers that share an input",
-               lambda: _quantized.fuse_shared_inputs(model), list, group)
+               lambda: _shared_inputs.fuse_shared_inputs(model), list, group)
 
 
 def resolve_described(summaries: list[Described], mine: Described, what: str,
