@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,14 +199,73 @@ def _export_rows(unit: _Unit, rows: torch.Tensor, first: int, dtype: torch.dtype
 
 
 class _RowsOf:
-    """One output of ModelOpt's export of a weight, for the rows a rank holds (picklable
-    state: the unit; called in the stager)."""
+    """One output of ModelOpt's export of a weight, for the rows a rank holds (called in the
+    stager). ModelOpt computes a weight's every output in one call; the outputs other than
+    the weight (per-row and per-block scales: 1/32 of the rows' bytes or less) are kept
+    (:class:`_Kept`) when the weight's rows are computed, so that the scales' entry, written
+    next, takes them instead of computing the rows again."""
 
-    def __init__(self, unit: _Unit, suffix: str, dtype: torch.dtype) -> None:
-        self.unit, self.suffix, self.dtype = unit, suffix, dtype
+    def __init__(self, unit: _Unit, suffix: str, dtype: torch.dtype, token: int,
+                 kept: tuple[str, ...]) -> None:
+        self.unit, self.suffix, self.dtype, self.token, self.kept = (unit, suffix, dtype,
+                                                                     token, kept)
 
     def __call__(self, rows: torch.Tensor, first: int) -> torch.Tensor:
-        return _export_rows(self.unit, rows, first, self.dtype)[self.suffix]
+        key = (self.token, first, rows.shape[0])
+        if self.suffix != "weight":
+            got = _KEPT.take(key, self.suffix)
+            if got is not None:
+                return got
+        out = _export_rows(self.unit, rows, first, self.dtype)
+        if self.suffix == "weight":
+            _KEPT.put(key, {k: out[k] for k in self.kept})
+        return out[self.suffix]
+
+
+class _Kept:
+    """The per-row outputs other than the weight, of the rows last computed, by (weight,
+    first row, rows): at most ``budget`` bytes, the oldest dropped first; each taken once.
+    Thread-safe (a rank's own writes and its shared blocks' rounds compute at once)."""
+
+    def __init__(self, budget: int) -> None:
+        import collections
+        import threading
+
+        self.budget, self.held = budget, 0
+        self.items: collections.OrderedDict[tuple, dict[str, torch.Tensor]] = \
+            collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def put(self, key: tuple, outputs: dict[str, torch.Tensor]) -> None:
+        if not outputs:
+            return
+        size = sum(v.numel() * v.element_size() for v in outputs.values())
+        with self.lock:
+            self.items[key] = outputs
+            self.held += size
+            while self.held > self.budget and self.items:
+                _k, old = self.items.popitem(last=False)
+                self.held -= sum(v.numel() * v.element_size() for v in old.values())
+
+    def take(self, key: tuple, suffix: str) -> torch.Tensor | None:
+        with self.lock:
+            outputs = self.items.get(key)
+            if outputs is None or suffix not in outputs:
+                return None
+            value = outputs.pop(suffix)
+            self.held -= value.numel() * value.element_size()
+            if not outputs:
+                del self.items[key]
+            return value
+
+    def clear(self) -> None:
+        with self.lock:
+            self.items.clear()
+            self.held = 0
+
+
+_KEPT = _Kept(32 * 2**20)
+_TOKENS = itertools.count()
 
 
 def _unit_of(w: _keys.Written, sources: dict[str, Any], held: dict[str, tuple]) -> _Unit | None:
@@ -267,6 +327,7 @@ def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = Non
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
     from modelopt.torch.export.quant_utils import _postprocess_single_tensor, get_quant_config
 
+    _KEPT.clear()  # (what an earlier export kept and did not take)
     dtype = export_dtype(model)
     if not needs_gather(model):  # (AWQ: fused before, by every rank together)
         fuse_shared_inputs(model)
@@ -334,18 +395,19 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
     two = one if probe == total else ones(2 * probe)
     prefix = w.key.removesuffix("weight")
     what = f"{unit.name} ({unit.fmt})"
+    per_row = [k for k, small in one.items() if k == "weight" or (small.dim() > 0 and (
+        two[k].shape != small.shape or two is one))]
+    token = next(_TOKENS)  # (this weight's rows, in the kept outputs' keys)
     for suffix, small in one.items():
-        per_row = suffix == "weight" or (small.dim() > 0 and (
-            two[suffix].shape != small.shape or two is one))
-        if not per_row:
+        if suffix not in per_row:
             extra[prefix + suffix] = small.contiguous()
             digest.append((prefix + suffix, str(small.dtype), tuple(small.shape),
                            small.float().reshape(-1).tolist()))
             continue
         out_rows = small.shape[0] * step // probe  # written rows per `step` weight rows
         written_shape = (total // step * out_rows, *small.shape[1:])
-        transform = Transform(_RowsOf(unit, suffix, dtype), step, out_rows, what, weight_dtype,
-                              tuple(shape))
+        fn = _RowsOf(unit, suffix, dtype, token, tuple(k for k in per_row if k != "weight"))
+        transform = Transform(fn, step, out_rows, what, weight_dtype, tuple(shape))
         out.replaces.setdefault(w.key, []).append((prefix + suffix, small.dtype, written_shape,
                                                    transform))
         digest.append((prefix + suffix, str(small.dtype), written_shape))

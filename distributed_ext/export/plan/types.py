@@ -38,11 +38,15 @@ class Transform:
         n = rows.shape[0]
         row_bytes = rows[:1].numel() * rows.element_size()
         chunk = max(self.step, TRANSFORM_BYTES // max(row_bytes, 1) // self.step * self.step)
-        if n <= chunk:
+        # Cut where the source's own multiples of ``chunk`` fall (wherever ``first`` is), so
+        # that two tensors computed from the same rows ask ``fn`` for the same row ranges.
+        cuts = [0, *range(chunk - first % chunk, n, chunk), n]
+        cuts = sorted(set(c for c in cuts if 0 <= c <= n))
+        if len(cuts) == 2:
             return self.fn(rows, first)
         out: torch.Tensor | None = None
-        for a in range(0, n, chunk):
-            part = self.fn(rows[a : a + chunk], first + a)
+        for a, b in zip(cuts, cuts[1:]):
+            part = self.fn(rows[a:b], first + a)
             if out is None:
                 out = torch.empty((n // self.step * self.out_rows, *part.shape[1:]),
                                   dtype=part.dtype, device=part.device)
