@@ -130,13 +130,16 @@ def _shared_input_groups(model: nn.Module, linears: set[str]) -> list[list[str]]
 
     def answer(name: str, module: nn.Linear) -> Any:
         def forward(x: torch.Tensor) -> torch.Tensor:
-            keep.append(x)
-            seen.setdefault(id(x), []).append(name)
+            if name in linears:
+                keep.append(x)
+                seen.setdefault(id(x), []).append(name)
             return x.new_zeros((*x.shape[:-1], module.out_features))
         return forward
 
+    # Every linear answers zeros (a product with a broadcast weight would make it whole:
+    # lm_head's alone is vocabulary x hidden); the quantized ones note their input.
     for name, module in replica.named_modules():
-        if name in linears and isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear):
             module.forward = answer(name, module)
     ids = torch.ones((1, 2), dtype=torch.long)
     with torch.no_grad():
