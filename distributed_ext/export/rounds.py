@@ -276,7 +276,9 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     their weights (:func:`plan.shared_inputs.needs_gather`): first agreed by every rank (a model
     quantized so on some ranks only is a ValueError on every rank), then run by every rank
     (ModelOpt's forward and weight updates, collective under FSDP2) and its outcome agreed.
-    Every other format is fused by each rank alone, in the metadata round."""
+    Every other format is fused by each rank alone, in the metadata round. (ModelOpt's
+    forward is the one step here whose collectives are not ours: a rank that fails inside it
+    leaves its peers in that collective until the watch or the group's timeout names it.)"""
     flags = all_reduce(f"{what}: quantized layers", lambda: _shared_inputs.needs_gather(model),
                        list, group)
     if not any(flags):
