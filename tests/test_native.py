@@ -157,6 +157,10 @@ def test_import_initializes_no_cuda_nccl_or_group():
         assert not torch.distributed.is_initialized(), "process group initialized at import"
         new_nccl = [m for m in set(sys.modules) - before if "nccl" in m.lower()]
         assert not new_nccl, new_nccl
+        # The extras' packages are imported only by what needs them.
+        extras = [m for m in ("modelopt", "transformers", "safetensors", "accelerate")
+                  if m in sys.modules]
+        assert not extras, extras
         print("clean")
         """
     )
