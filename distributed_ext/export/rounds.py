@@ -272,9 +272,10 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
 
 
 def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str) -> None:
-    """ModelOpt's fusing of an AWQ-quantized model's shared-input layers, which rescales
-    their weights (:func:`plan.shared_inputs.needs_gather`): first agreed by every rank (a model
-    quantized so on some ranks only is a ValueError on every rank), then run by every rank
+    """ModelOpt's fusing of the shared-input layers of a model quantized with pre-quant scales
+    (AWQ, SmoothQuant), which rescales their weights (:func:`plan.shared_inputs.needs_gather`):
+    first agreed by every rank (a model quantized so on some ranks only is a ValueError on
+    every rank; one round, also for any other model), then run by every rank
     (ModelOpt's forward and weight updates, collective under FSDP2) and its outcome agreed.
     Every other format is fused by each rank alone, in the metadata round. (ModelOpt's
     forward is the one step here whose collectives are not ours: a rank that fails inside it
@@ -285,9 +286,10 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
         return
     if not all(flags):
         ranks = [r for r, f in enumerate(flags) if not f]
-        raise ValueError(f"{what}: the model is AWQ-quantized by ModelOpt on some ranks but "
-                         f"not on group ranks {ranks}; quantize it alike on every rank")
-    all_reduce(f"{what}: fusing the AWQ scales of layers that share an input",
+        raise ValueError(f"{what}: the model has ModelOpt's pre-quant scales (AWQ, SmoothQuant) "
+                         f"on some ranks but not on group ranks {ranks}; quantize it alike on "
+                         "every rank")
+    all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
                lambda: _shared_inputs.fuse_shared_inputs(model), list, group)
 
 
