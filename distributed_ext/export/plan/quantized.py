@@ -302,14 +302,17 @@ def _unit_of(w: _keys.Written, sources: dict[str, Any], held: dict[str, tuple]) 
     expert = part.src_start[0]
     wq = getattr(module, f"{attr}_weight_quantizers")[expert]
     iq = getattr(module, f"{attr}_input_quantizer", None)
+    fmt = _format(wq, iq)
+    if fmt is None:  # (this expert's weights left unquantized: written as they are)
+        return None
     amax = getattr(wq, "_amax", None)
     if getattr(wq, "is_enabled", False) and (amax is None or bool(torch.all(amax == 0))):
         raise ValueError(f"{w.key!r}: expert {expert} of {key!r} was not calibrated (its amax "
                          "is missing or zero); ModelOpt then takes the amax of its whole "
                          "weight, which is not computed from the shards -- calibrate with "
                          "data that routes tokens to every expert")
-    return _Unit(w.key.removesuffix(".weight"), _format(wq, iq), wq, iq, None,
-                 part.src_start[1], src_shape[1])
+    return _Unit(w.key.removesuffix(".weight"), fmt, wq, iq, None, part.src_start[1],
+                 src_shape[1])
 
 
 def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = None
