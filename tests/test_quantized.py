@@ -27,7 +27,8 @@ FORMATS = ["FP8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN_CFG", "INT8_WEIGHT_ONLY
 # (family, format): the dense Llama in every format; Qwen3-MoE's fused experts (split per
 # expert, each with its expert's quantizer) in FP8 and NVFP4.
 CASES = [("llama", f) for f in FORMATS] + [("qwen3-moe", "FP8_DEFAULT_CFG"),
-                                           ("qwen3-moe", "NVFP4_DEFAULT_CFG")]
+                                           ("qwen3-moe", "NVFP4_DEFAULT_CFG"),
+                                           ("qwen3-moe", "NVFP4_DEFAULT_CFG+experts-off")]
 # INT4 AWQ groups 128 columns: every linear's input a multiple of 128, and every FSDP2 row
 # boundary even at world 2 and 3 (ceil(rows / world) even for 384, 192, 768 rows).
 DIMS = dict(hidden_size=384, intermediate_size=768, num_hidden_layers=1,
@@ -48,8 +49,22 @@ def _quantized(family: str, fmt: str, dims: dict | None = None):
     model = hf_models.build(family, 0, dtype=torch.bfloat16, **dims).to(torch.bfloat16)
     model.config.architectures = [type(model).__name__]
     batch = torch.randint(0, 130, (4, 32), generator=torch.Generator().manual_seed(1))
-    mtq.quantize(model, getattr(mtq, fmt), lambda m: m(batch))
+    mtq.quantize(model, _config(fmt), lambda m: m(batch))
     return model
+
+
+def _config(fmt: str) -> dict:
+    """ModelOpt's config ``fmt``; "+experts-off": with the experts' quantizers disabled (the
+    fused experts then written in bf16 beside quantized attention)."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+
+    name, _, variant = fmt.partition("+")
+    config = copy.deepcopy(getattr(mtq, name))
+    if variant == "experts-off":
+        config["quant_cfg"].append({"quantizer_name": "*experts*", "enable": False})
+    return config
 
 
 def _modelopt_exports(base: str, cases: list[tuple[str, str]]) -> None:
@@ -118,6 +133,9 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path):
         assert not differ, (fmt, differ)
         # The quantized weights are there (not the high-precision ones) in every format.
         down = "model.layers.0.mlp." + ("down_proj" if family == "llama" else "experts.3.down_proj")
+        if fmt.endswith("experts-off"):
+            assert ours[down + ".weight"].dtype == torch.bfloat16, fmt
+            down = "model.layers.0.self_attn.o_proj"
         assert ours[down + ".weight"].dtype != torch.bfloat16, fmt
         assert down + ".weight_scale" in ours, fmt
         assert not any("quantizer" in k for k in ours), fmt
