@@ -270,3 +270,26 @@ def test_config_json_is_what_save_pretrained_writes_for_a_config_built_model(tmp
         assert ours == theirs, name
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_a_directory_made_by_another_checker_at_the_same_moment_is_accepted(tmp_path,
+                                                                             monkeypatch):
+    # Two ranks that each take themselves for dst (a dst that differs between ranks, refused
+    # in the same round) check the same missing directory at once: the one whose mkdir finds
+    # it made passes, and leaves it to its maker -- the round then names the real mistake.
+    target = tmp_path / "ckpt"
+    real = os.mkdir
+
+    def made_meanwhile(path, *args, **kwargs):
+        if os.fspath(path) == str(target):
+            real(path, *args, **kwargs)  # the other rank's, just before ours
+            raise FileExistsError(17, "File exists", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", made_meanwhile)
+    publish.check_directory(str(target), "export_hf_checkpoint", on_dst=True)
+    assert target.is_dir()  # (the other checker's: not ours to remove)
+    monkeypatch.setattr(os, "mkdir", real)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        publish.check_directory(str(tmp_path / "file" / "ckpt"), "export_hf_checkpoint", True)

@@ -147,6 +147,10 @@ def check_directory(directory: str, what: str, on_dst: bool) -> None:
     trial = missing or os.path.join(probe, f"{_STAGE_TAG}check-{uuid.uuid4().hex}")
     try:
         os.mkdir(trial)
+    except FileExistsError:
+        # Made meanwhile (another rank that takes itself for dst, or another export, checking
+        # the same path): a directory can be made there, and this check must not remove it.
+        return
     except OSError as exc:
         raise ValueError(f"{what}: directory={directory!r} cannot be written here "
                          f"({exc.strerror} making {trial!r}); pass a directory you can "
