@@ -33,15 +33,13 @@ class Transform:
     def rows_of(self, rows: torch.Tensor, first: int) -> torch.Tensor:
         """``fn`` of ``rows`` (source rows ``first ..``), computed ``TRANSFORM_BYTES`` of them
         at a time into one output: the arithmetic's temporaries (several float32 copies, in
-        ModelOpt's) stay those of a few MiB whatever the block, and the block's computed copy
-        is the one thing held whole."""
+        ModelOpt's) stay those of a few MiB however many rows are asked for."""
         n = rows.shape[0]
         row_bytes = rows[:1].numel() * rows.element_size()
         chunk = max(self.step, TRANSFORM_BYTES // max(row_bytes, 1) // self.step * self.step)
         # Cut where the source's own multiples of ``chunk`` fall (wherever ``first`` is), so
         # that two tensors computed from the same rows ask ``fn`` for the same row ranges.
-        cuts = [0, *range(chunk - first % chunk, n, chunk), n]
-        cuts = sorted(set(c for c in cuts if 0 <= c <= n))
+        cuts = [0, *range(-first % chunk or chunk, n, chunk), n]
         if len(cuts) == 2:
             return self.fn(rows, first)
         out: torch.Tensor | None = None
