@@ -167,7 +167,12 @@ CHUNK = 4 * 2**20
 
 def _peaks_plain_then_quantized(base: str, fmt: str) -> tuple[int, int]:
     """RSS growth of the export of an FSDP2 model, then of the same model quantized (4 MiB
-    transport chunks)."""
+    transport chunks). Allocations of 128 KiB and more are mapped and unmapped whole
+    (glibc's M_MMAP_THRESHOLD fixed): RSS then follows what is alive, not what one thread's
+    heap kept of earlier work (which moved the figures by 12 MiB from run to run)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
     warnings.filterwarnings("ignore")
     import modelopt.torch.quantization as mtq
 
