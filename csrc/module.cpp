@@ -9,6 +9,7 @@
 #include "device_pack.h"
 #include "file_segments.h"
 #include "heartbeat.h"
+#include "quantize.h"
 #include "segments.h"
 
 #ifndef DEXT_TORCH_VERSION
@@ -135,6 +136,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("heartbeat_count", &distributed_ext::heartbeat_count, "Beats sent so far.");
   m.def("heartbeat_failed", &distributed_ext::heartbeat_failed,
         "Whether the heartbeat gave up after repeated failed beats.");
+  m.def("map_through_table", &distributed_ext::map_through_table, pybind11::arg("src"),
+        pybind11::arg("table"),
+        "uint8 table[bits of each 2-byte element of src] (an elementwise function tabulated).");
+  m.def("nvfp4_rows", &distributed_ext::nvfp4_rows, pybind11::arg("src"),
+        pybind11::arg("scale_2"), pybind11::arg("block"),
+        "NVFP4 of the rows of src: (packed 4-bit codes, per-block E4M3 scales) as uint8.");
   m.def("built_with_cuda", &distributed_ext::built_with_cuda);
   m.def("copy_async", &distributed_ext::copy_async, pybind11::arg("dst_ptr"),
         pybind11::arg("src_ptr"), pybind11::arg("nbytes"), pybind11::arg("stream"),

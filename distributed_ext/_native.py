@@ -161,6 +161,24 @@ def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
     _C.copy_bytes(dst_ptr, src_ptr, nbytes)
 
 
+def map_through_table(src: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``table[bits of x]`` for each element ``x`` of ``src`` (a contiguous CPU tensor of a
+    2-byte dtype): an elementwise function tabulated over all 65536 values (``table``: uint8,
+    65536 of them). Returns uint8 of ``src``'s shape; GIL released, threads used."""
+    return _C.map_through_table(src, table)
+
+
+def nvfp4_rows(src: torch.Tensor, scale_2: float, block: int
+               ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """NVFP4 of the rows of ``src`` (contiguous CPU ``[rows, cols]``, bfloat16, float16 or
+    float32, ``cols`` a multiple of the even ``block``) under the global scale ``scale_2``:
+    the packed codes (uint8 ``[rows, cols / 2]``, even column in the low nibble), each
+    block's E4M3 scale (uint8 ``[rows, cols / block]``), and whether a block held a NaN
+    (its scale's NaN sign is not reproduced: recompute such rows). ModelOpt's arithmetic
+    (csrc/quantize.h); GIL released, threads used."""
+    return _C.nvfp4_rows(src, float(scale_2), int(block))
+
+
 def empty_bytearray(nbytes: int, prefault: bool = False, huge_pages: bool = True) -> bytearray:
     """A bytearray of ``nbytes`` whose contents are uninitialized; fill every byte before use.
 

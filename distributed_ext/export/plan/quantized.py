@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from distributed_ext.export.plan import keys as _keys
+from distributed_ext.export.plan.row_kernels import RowsFn, fast_rows
 from distributed_ext.export.plan.shared_inputs import (
     fuse_shared_inputs,
     modelopt_loaded,
@@ -206,9 +207,10 @@ class _RowsOf:
     next, takes them instead of computing the rows again."""
 
     def __init__(self, unit: _Unit, suffix: str, dtype: torch.dtype, token: int,
-                 kept: tuple[str, ...]) -> None:
+                 kept: tuple[str, ...], fast: RowsFn | None) -> None:
         self.unit, self.suffix, self.dtype, self.token, self.kept = (unit, suffix, dtype,
                                                                      token, kept)
+        self.fast = fast  # the compiled core's arithmetic (plan.row_kernels), where it is
 
     def __call__(self, rows: torch.Tensor, first: int) -> torch.Tensor:
         key = (self.token, first, rows.shape[0])
@@ -216,7 +218,8 @@ class _RowsOf:
             got = _KEPT.take(key, self.suffix)
             if got is not None:
                 return got
-        out = _export_rows(self.unit, rows, first, self.dtype)
+        out = (self.fast(rows, first) if self.fast is not None
+               else _export_rows(self.unit, rows, first, self.dtype))
         if self.suffix == "weight":
             _KEPT.put(key, {k: out[k] for k in self.kept})
         return out[self.suffix]
@@ -401,6 +404,8 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
     per_row = [k for k, small in one.items() if k == "weight" or (small.dim() > 0 and (
         two[k].shape != small.shape or two is one))]
     token = next(_TOKENS)  # (this weight's rows, in the kept outputs' keys)
+    fast = fast_rows(unit.fmt, unit.weight_quantizer, weight_dtype, dtype, shape[1], one,
+                     per_row, lambda rows, first: _export_rows(unit, rows, first, dtype))
     for suffix, small in one.items():
         if suffix not in per_row:
             extra[prefix + suffix] = small.contiguous()
@@ -409,7 +414,8 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
             continue
         out_rows = small.shape[0] * step // probe  # written rows per `step` weight rows
         written_shape = (total // step * out_rows, *small.shape[1:])
-        fn = _RowsOf(unit, suffix, dtype, token, tuple(k for k in per_row if k != "weight"))
+        fn = _RowsOf(unit, suffix, dtype, token, tuple(k for k in per_row if k != "weight"),
+                     fast)
         transform = Transform(fn, step, out_rows, what, weight_dtype, tuple(shape))
         out.replaces.setdefault(w.key, []).append((prefix + suffix, small.dtype, written_shape,
                                                    transform))

@@ -1,0 +1,145 @@
+// Row quantizers for writing a ModelOpt-quantized weight from the rows a rank holds
+// (distributed_ext/export/plan/quantized.py). ModelOpt's own arithmetic is a chain of torch
+// ops over float32 temporaries: several passes over the rows and four to eight bytes of
+// temporaries per weight byte. These do the same arithmetic in one pass per row, into the
+// final bytes, and must give the same bytes: the Python side checks them against ModelOpt's
+// own functions before using them (once per process and dtype), and falls back to ModelOpt's
+// where they differ.
+#include "quantize.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <pybind11/pybind11.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+
+namespace distributed_ext {
+
+at::Tensor map_through_table(const at::Tensor& src, const at::Tensor& table) {
+  TORCH_CHECK(src.device().is_cpu() && src.is_contiguous() && src.element_size() == 2,
+              "map_through_table: src must be a contiguous CPU tensor of a 2-byte dtype, got ",
+              src.dtype(), " on ", src.device());
+  TORCH_CHECK(table.device().is_cpu() && table.is_contiguous() &&
+                  table.scalar_type() == at::kByte && table.numel() == 65536,
+              "map_through_table: table must be a contiguous CPU uint8 tensor of 65536 values");
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(at::kByte));
+  const uint16_t* in = static_cast<const uint16_t*>(src.data_ptr());
+  const uint8_t* lut = table.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t n = src.numel();
+  {
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) dst[i] = lut[in[i]];
+    });
+  }
+  return out;
+}
+
+namespace {
+
+// E2M1 (FP4) code of a float32 value as ModelOpt's NVFP4QTensor._cast_fp4 computes it: the
+// sign of (v < 0), the count of bounds b with !(b >= |v|) (torch.searchsorted's lower bound:
+// NaN counts all seven), plus one at the ties 0.75, 1.75 and 3.5 (round half to even).
+inline uint8_t fp4_code(float v) {
+  constexpr float kBounds[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  const uint8_t sign = v < 0.0f ? 1 : 0;
+  const float a = std::fabs(v);
+  uint8_t ord = 0;
+  for (float b : kBounds) ord += !(b >= a) ? 1 : 0;
+  const uint8_t tie = (a == 0.75f || a == 1.75f || a == 3.5f) ? 1 : 0;
+  return static_cast<uint8_t>((sign << 3) + ord + tie);
+}
+
+// torch.clamp(x, lo, hi) on float32: NaN stays NaN.
+inline float clamp_like_torch(float x, float lo, float hi) {
+  if (std::isnan(x)) return x;
+  return std::min(std::max(x, lo), hi);
+}
+
+// Returns whether a block held a NaN: its scale is then a NaN whose sign bit is whatever the
+// float unit makes of it in torch's ops, not reproduced here (the caller recomputes it).
+template <typename T>
+bool nvfp4_rows_typed(const T* src, int64_t rows, int64_t cols, float scale_2, int64_t block,
+                      uint8_t* packed, uint8_t* scales) {
+  std::atomic<bool> any_nan{false};
+  const int64_t blocks = cols / block;
+  // E2M1_MAX * weights_scaling_factor_2, a float32 product.
+  const float divisor = 6.0f * scale_2;
+  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      for (int64_t k = 0; k < blocks; ++k) {
+        const T* x = src + r * cols + k * block;
+        // Block amax in the source dtype (its abs and max are exact), NaN propagating.
+        float amax = 0.0f;
+        bool nan = false;
+        for (int64_t j = 0; j < block; ++j) {
+          const float a = std::fabs(static_cast<float>(x[j]));
+          if (std::isnan(a)) nan = true;
+          amax = a > amax ? a : amax;
+        }
+        if (nan) {
+          amax = std::numeric_limits<float>::quiet_NaN();
+          any_nan.store(true, std::memory_order_relaxed);
+        }
+        float scale = amax / divisor;
+        if (scale == 0.0f) scale = 1.0f;
+        const c10::Float8_e4m3fn fp8(clamp_like_torch(scale, 0.001953125f, 448.0f));
+        scales[r * blocks + k] = fp8.x;
+        // weights_scaling_factor.to(float32) * weights_scaling_factor_2: float32.
+        const float denom = static_cast<float>(fp8) * scale_2;
+        uint8_t* out = packed + (r * cols + k * block) / 2;
+        for (int64_t j = 0; j < block; j += 2) {
+          const uint8_t even = fp4_code(static_cast<float>(x[j]) / denom);
+          const uint8_t odd = fp4_code(static_cast<float>(x[j + 1]) / denom);
+          out[j / 2] = static_cast<uint8_t>((odd << 4) | even);
+        }
+      }
+    }
+  });
+  return any_nan.load();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, bool> nvfp4_rows(const at::Tensor& src, double scale_2,
+                                                    int64_t block) {
+  TORCH_CHECK(src.device().is_cpu() && src.is_contiguous() && src.dim() == 2,
+              "nvfp4_rows: src must be a contiguous 2-D CPU tensor, got ", src.dim(),
+              "-D on ", src.device());
+  TORCH_CHECK(block > 0 && block % 2 == 0 && src.size(1) % block == 0,
+              "nvfp4_rows: block must be even and divide the columns (", src.size(1),
+              "), got ", block);
+  const int64_t rows = src.size(0), cols = src.size(1);
+  at::Tensor packed = at::empty({rows, cols / 2}, src.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({rows, cols / block}, src.options().dtype(at::kByte));
+  const float s2 = static_cast<float>(scale_2);
+  uint8_t* p = packed.data_ptr<uint8_t>();
+  uint8_t* s = scales.data_ptr<uint8_t>();
+  const auto dtype = src.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+              "nvfp4_rows: src must be bfloat16, float16 or float32, got ", src.dtype());
+  bool any_nan = false;
+  {
+    pybind11::gil_scoped_release no_gil;
+    if (dtype == at::kBFloat16) {
+      any_nan = nvfp4_rows_typed(static_cast<const c10::BFloat16*>(src.data_ptr()), rows, cols, s2,
+                       block, p, s);
+    } else if (dtype == at::kHalf) {
+      any_nan = nvfp4_rows_typed(static_cast<const c10::Half*>(src.data_ptr()), rows, cols, s2, block,
+                       p, s);
+    } else {
+      any_nan = nvfp4_rows_typed(src.data_ptr<float>(), rows, cols, s2, block, p, s);
+    }
+  }
+  return {packed, scales, any_nan};
+}
+
+}  // namespace distributed_ext

@@ -1,0 +1,148 @@
+"""ModelOpt's row arithmetic for its two main formats done by the compiled core, in one pass
+per row into the final bytes, where it gives ModelOpt's bytes.
+
+ModelOpt computes a quantized weight with a chain of torch ops over float32 temporaries and
+costs a few hundred microseconds of Python per call; a rank calls it once per MiB of its
+rows. Here:
+
+- **FP8 per-tensor** (``fp8``): each written byte is a function of one 2-byte weight value
+  and the tensor's scale (``(w / scale).to(float8_e4m3fn)``). It is tabulated by ModelOpt's
+  own export over all 65536 values of the weight's dtype, once per weight, and applied by
+  table lookup (:func:`distributed_ext._native.map_through_table`): ModelOpt's bytes by
+  construction.
+- **NVFP4** (``nvfp4``, ``w4a16_nvfp4``) with scales computed from the weight (not a static
+  quantizer's): :func:`distributed_ext._native.nvfp4_rows` restates its arithmetic in C++;
+  rows whose blocks hold a NaN are left to ModelOpt.
+
+Each is compared, once per process and dtype, with ModelOpt's export of the same rows (every
+value of the dtype, in shuffled order) before it is used; where it differs (another ModelOpt
+or torch), ModelOpt's arithmetic is used, with a warning. Each weight holds at most a 64 KiB
+table; nothing else is kept.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from distributed_ext._native import map_through_table, nvfp4_rows
+
+# (fmt, dtype, block) -> whether the kernel gave ModelOpt's bytes in this process.
+_CHECKED: dict[tuple, bool] = {}
+_LOCK = threading.Lock()
+_NVFP4 = ("nvfp4", "w4a16_nvfp4")
+
+RowsFn = Callable[[torch.Tensor, int], dict[str, torch.Tensor]]
+
+
+def _every_value(dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """Every value of a 2-byte ``dtype`` once (NaNs and infinities included), in a fixed
+    shuffled order, as rows of ``cols`` (the last row filled from the start again)."""
+    values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = values[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
+    rows = -(-65536 // cols)
+    return torch.cat([values, values[: rows * cols - 65536]]).reshape(rows, cols)
+
+
+def fast_rows(fmt: str, weight_quantizer: torch.nn.Module, weight_dtype: torch.dtype,
+              dtype: torch.dtype, cols: int, one: dict[str, torch.Tensor],
+              per_row: list[str], modelopt_rows: RowsFn) -> RowsFn | None:
+    """The compiled core's version of ``modelopt_rows`` (ModelOpt's export of a weight's
+    rows: ``(rows, first) -> {output: tensor}``, its per-row outputs ``per_row``) for one
+    weight, or None where there is none or it did not give ModelOpt's bytes. ``one`` is
+    ModelOpt's export of a few rows of it (the written dtypes and shapes, the global
+    scales)."""
+    if fmt == "fp8" and set(per_row) == {"weight"} and weight_dtype.itemsize == 2 and \
+            one["weight"].dtype == torch.float8_e4m3fn:
+        fn: RowsFn = _Fp8Rows(one["weight_scale"], weight_dtype, dtype)
+        block = 0
+    elif fmt in _NVFP4 and set(per_row) == {"weight", "weight_scale"} and \
+            weight_dtype == dtype and weight_dtype in (
+            torch.bfloat16, torch.float16, torch.float32) and _dynamic(weight_quantizer) \
+            and "weight_scale_2" in one and one["weight_scale_2"].numel() == 1 \
+            and one["weight"].dtype == torch.uint8 \
+            and one["weight_scale"].dtype == torch.float8_e4m3fn \
+            and one["weight"].shape[1] * 2 == cols and one["weight_scale"].dim() == 2 \
+            and cols % one["weight_scale"].shape[1] == 0:
+        block = cols // one["weight_scale"].shape[1]
+        if block % 2:
+            return None
+        fn = _Nvfp4Rows(modelopt_rows, float(one["weight_scale_2"].reshape(())), block)
+    else:
+        return None
+    key = (fmt, weight_dtype, dtype, block)
+    with _LOCK:
+        ok = _CHECKED.get(key)
+    if ok is None:
+        ok = _same_bytes(fn, modelopt_rows, weight_dtype, cols)
+        if not ok:
+            warnings.warn(f"distributed_ext: the compiled {fmt} arithmetic differs from "
+                          f"ModelOpt's on {weight_dtype} rows here; ModelOpt's own is used "
+                          "(slower)", RuntimeWarning, stacklevel=2)
+        with _LOCK:
+            _CHECKED[key] = ok
+    return fn if ok else None
+
+
+def _dynamic(weight_quantizer: torch.nn.Module) -> bool:
+    """Whether ModelOpt computes the NVFP4 block scales from the weight (not from a static
+    quantizer's per-block amax)."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    return not NVFP4QTensor._is_static_quantizer(weight_quantizer)
+
+
+def _same_bytes(fn: RowsFn, modelopt_rows: RowsFn, dtype: torch.dtype, cols: int) -> bool:
+    """Whether ``fn`` gives ModelOpt's outputs, byte for byte, on rows of every value of
+    ``dtype`` (random float32 rows for a 4-byte dtype)."""
+    if dtype.itemsize == 2:
+        rows = _every_value(dtype, cols)
+    else:
+        g = torch.Generator().manual_seed(0)
+        rows = (torch.randn((-(-65536 // cols), cols), generator=g) *
+                torch.logspace(-8, 8, cols).to(torch.float32)).to(dtype)
+    ours, theirs = fn(rows, 0), modelopt_rows(rows, 0)
+    return all(k in theirs and v.dtype == theirs[k].dtype and v.shape == theirs[k].shape
+               and torch.equal(v.view(torch.uint8), theirs[k].view(torch.uint8))
+               for k, v in ours.items())
+
+
+class _Fp8Rows:
+    """FP8 per-tensor rows by lookup in a table of every value of the weight's dtype, made
+    (at the first call) by ModelOpt's ``to_quantized_weight`` -- what its export calls for
+    them, after casting the weight to the export's dtype -- with the weight's scale."""
+
+    def __init__(self, scale: torch.Tensor, weight_dtype: torch.dtype, dtype: torch.dtype
+                 ) -> None:
+        self.scale, self.weight_dtype, self.dtype = scale, weight_dtype, dtype
+        self.table: torch.Tensor | None = None
+
+    def __call__(self, rows: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
+        table = self.table
+        if table is None:  # (two threads may both make it: the same table)
+            from modelopt.torch.export.quant_utils import to_quantized_weight
+
+            values = torch.arange(65536, dtype=torch.int32).to(torch.int16) \
+                .view(self.weight_dtype).reshape(256, 256)
+            made = to_quantized_weight(values.to(self.dtype), self.scale, "fp8")
+            table = self.table = made.reshape(-1).view(torch.uint8).contiguous()
+        src = rows if rows.is_contiguous() else rows.contiguous()
+        return {"weight": map_through_table(src, table).view(torch.float8_e4m3fn)}
+
+
+class _Nvfp4Rows:
+    """NVFP4 rows by the compiled core; rows with a NaN in a block by ModelOpt's."""
+
+    def __init__(self, modelopt_rows: RowsFn, scale_2: float, block: int) -> None:
+        self.modelopt_rows, self.scale_2, self.block = modelopt_rows, scale_2, block
+
+    def __call__(self, rows: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
+        src = rows if rows.is_contiguous() else rows.contiguous()
+        packed, scales, nan = nvfp4_rows(src, self.scale_2, self.block)
+        if nan:
+            theirs = self.modelopt_rows(rows, first)
+            return {"weight": theirs["weight"], "weight_scale": theirs["weight_scale"]}
+        return {"weight": packed, "weight_scale": scales.view(torch.float8_e4m3fn)}
