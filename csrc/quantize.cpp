@@ -16,17 +16,16 @@
 
 #include <cmath>
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <limits>
 
 namespace distributed_ext {
 
 at::Tensor map_through_table(const at::Tensor& src, const at::Tensor& table) {
-  TORCH_CHECK(src.device().is_cpu() && src.is_contiguous() && src.element_size() == 2,
+  TORCH_CHECK_VALUE(src.device().is_cpu() && src.is_contiguous() && src.element_size() == 2,
               "map_through_table: src must be a contiguous CPU tensor of a 2-byte dtype, got ",
               src.dtype(), " on ", src.device());
-  TORCH_CHECK(table.device().is_cpu() && table.is_contiguous() &&
+  TORCH_CHECK_VALUE(table.device().is_cpu() && table.is_contiguous() &&
                   table.scalar_type() == at::kByte && table.numel() == 65536,
               "map_through_table: table must be a contiguous CPU uint8 tensor of 65536 values");
   at::Tensor out = at::empty(src.sizes(), src.options().dtype(at::kByte));
@@ -64,12 +63,11 @@ inline float clamp_like_torch(float x, float lo, float hi) {
   return std::min(std::max(x, lo), hi);
 }
 
-// Returns whether a block held a NaN: its scale is then a NaN whose sign bit is whatever the
-// float unit makes of it in torch's ops, not reproduced here (the caller recomputes it).
+// A block with a NaN gets a NaN scale (0x7F) and every code 7, as in ModelOpt's, whose own
+// NaN's sign bit varies with how many rows torch computes at once (vector or scalar code).
 template <typename T>
-bool nvfp4_rows_typed(const T* src, int64_t rows, int64_t cols, float scale_2, int64_t block,
+void nvfp4_rows_typed(const T* src, int64_t rows, int64_t cols, float scale_2, int64_t block,
                       uint8_t* packed, uint8_t* scales) {
-  std::atomic<bool> any_nan{false};
   const int64_t blocks = cols / block;
   // E2M1_MAX * weights_scaling_factor_2, a float32 product.
   const float divisor = 6.0f * scale_2;
@@ -85,10 +83,7 @@ bool nvfp4_rows_typed(const T* src, int64_t rows, int64_t cols, float scale_2, i
           if (std::isnan(a)) nan = true;
           amax = a > amax ? a : amax;
         }
-        if (nan) {
-          amax = std::numeric_limits<float>::quiet_NaN();
-          any_nan.store(true, std::memory_order_relaxed);
-        }
+        if (nan) amax = std::numeric_limits<float>::quiet_NaN();
         float scale = amax / divisor;
         if (scale == 0.0f) scale = 1.0f;
         const c10::Float8_e4m3fn fp8(clamp_like_torch(scale, 0.001953125f, 448.0f));
@@ -104,17 +99,16 @@ bool nvfp4_rows_typed(const T* src, int64_t rows, int64_t cols, float scale_2, i
       }
     }
   });
-  return any_nan.load();
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, bool> nvfp4_rows(const at::Tensor& src, double scale_2,
-                                                    int64_t block) {
-  TORCH_CHECK(src.device().is_cpu() && src.is_contiguous() && src.dim() == 2,
+std::tuple<at::Tensor, at::Tensor> nvfp4_rows(const at::Tensor& src, double scale_2,
+                                              int64_t block) {
+  TORCH_CHECK_VALUE(src.device().is_cpu() && src.is_contiguous() && src.dim() == 2,
               "nvfp4_rows: src must be a contiguous 2-D CPU tensor, got ", src.dim(),
               "-D on ", src.device());
-  TORCH_CHECK(block > 0 && block % 2 == 0 && src.size(1) % block == 0,
+  TORCH_CHECK_VALUE(block > 0 && block % 2 == 0 && src.size(1) % block == 0,
               "nvfp4_rows: block must be even and divide the columns (", src.size(1),
               "), got ", block);
   const int64_t rows = src.size(0), cols = src.size(1);
@@ -124,22 +118,21 @@ std::tuple<at::Tensor, at::Tensor, bool> nvfp4_rows(const at::Tensor& src, doubl
   uint8_t* p = packed.data_ptr<uint8_t>();
   uint8_t* s = scales.data_ptr<uint8_t>();
   const auto dtype = src.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
               "nvfp4_rows: src must be bfloat16, float16 or float32, got ", src.dtype());
-  bool any_nan = false;
   {
     pybind11::gil_scoped_release no_gil;
     if (dtype == at::kBFloat16) {
-      any_nan = nvfp4_rows_typed(static_cast<const c10::BFloat16*>(src.data_ptr()), rows, cols, s2,
+      nvfp4_rows_typed(static_cast<const c10::BFloat16*>(src.data_ptr()), rows, cols, s2,
                        block, p, s);
     } else if (dtype == at::kHalf) {
-      any_nan = nvfp4_rows_typed(static_cast<const c10::Half*>(src.data_ptr()), rows, cols, s2, block,
+      nvfp4_rows_typed(static_cast<const c10::Half*>(src.data_ptr()), rows, cols, s2, block,
                        p, s);
     } else {
-      any_nan = nvfp4_rows_typed(src.data_ptr<float>(), rows, cols, s2, block, p, s);
+      nvfp4_rows_typed(src.data_ptr<float>(), rows, cols, s2, block, p, s);
     }
   }
-  return {packed, scales, any_nan};
+  return {packed, scales};
 }
 
 }  // namespace distributed_ext

@@ -13,13 +13,12 @@ at::Tensor map_through_table(const at::Tensor& src, const at::Tensor& table);
 // NVFP4 of the rows of src (contiguous CPU [rows, cols], bfloat16, float16 or float32; cols a
 // multiple of block, block even), with the global scale scale_2 (a float32 value): the packed
 // 4-bit codes (uint8 [rows, cols / 2], the even column in the low nibble) and each block's
-// E4M3 scale (uint8 [rows, cols / block]), and whether a block held a NaN (its scale's NaN
-// sign is the float unit's, not reproduced: the caller computes such rows another way).
+// E4M3 scale (uint8 [rows, cols / block]). A block with a NaN: a NaN scale (0x7F), codes 7.
 // The arithmetic is ModelOpt 0.47's NVFP4QTensor (get_weights_scaling_factor, then quantize)
 // as torch evaluates it on the CPU, operation by operation in float32;
-// tests/test_quantize_kernels.py compares it with ModelOpt's on every bfloat16 and float16
+// tests/test_row_kernels.py compares it with ModelOpt's on every bfloat16 and float16
 // value. GIL released.
-std::tuple<at::Tensor, at::Tensor, bool> nvfp4_rows(const at::Tensor& src, double scale_2,
-                                                    int64_t block);
+std::tuple<at::Tensor, at::Tensor> nvfp4_rows(const at::Tensor& src, double scale_2,
+                                              int64_t block);
 
 }  // namespace distributed_ext

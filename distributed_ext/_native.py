@@ -169,12 +169,11 @@ def map_through_table(src: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_rows(src: torch.Tensor, scale_2: float, block: int
-               ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 of the rows of ``src`` (contiguous CPU ``[rows, cols]``, bfloat16, float16 or
     float32, ``cols`` a multiple of the even ``block``) under the global scale ``scale_2``:
     the packed codes (uint8 ``[rows, cols / 2]``, even column in the low nibble), each
-    block's E4M3 scale (uint8 ``[rows, cols / block]``), and whether a block held a NaN
-    (its scale's NaN sign is not reproduced: recompute such rows). ModelOpt's arithmetic
+    block's E4M3 scale (uint8 ``[rows, cols / block]``). ModelOpt's arithmetic
     (csrc/quantize.h); GIL released, threads used."""
     return _C.nvfp4_rows(src, float(scale_2), int(block))
 

@@ -194,3 +194,26 @@ def test_import_fails_loudly_with_built_for_and_installed(tmp_path):
     assert "built for:  torch=1.99.0+cu999;cuda=99.9;python=3.99" in proc.stderr
     assert f"installed:  torch={torch.__version__}" in proc.stderr
     assert "pip install --no-build-isolation" in proc.stderr
+
+
+def test_table_lookup_maps_every_element_and_refuses_bad_arguments():
+    src = torch.arange(-300, 300, dtype=torch.int16).reshape(20, 30)
+    table = torch.randint(0, 256, (65536,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))
+    out = _native.map_through_table(src.view(torch.bfloat16), table)
+    assert out.shape == src.shape and torch.equal(out, table[src.long() & 0xFFFF])
+    with pytest.raises(ValueError, match="2-byte dtype"):
+        _native.map_through_table(torch.zeros(4), table)
+    with pytest.raises(ValueError, match="65536"):
+        _native.map_through_table(src, table[:-1])
+
+
+def test_nvfp4_rows_refuses_a_block_that_does_not_divide_the_columns():
+    with pytest.raises(ValueError, match="block must be even and divide the columns"):
+        _native.nvfp4_rows(torch.zeros((2, 24), dtype=torch.bfloat16), 1.0, 16)
+    with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        _native.nvfp4_rows(torch.zeros((2, 32), dtype=torch.float64), 1.0, 16)
+    packed, scales = _native.nvfp4_rows(torch.zeros((2, 32), dtype=torch.bfloat16), 1.0, 16)
+    # zeros: every code 0, every scale 1.0 (ModelOpt's for an all-zero block; E4M3 0x38)
+    assert torch.equal(packed, torch.zeros((2, 16), dtype=torch.uint8))
+    assert torch.equal(scales, torch.full((2, 2), 0x38, dtype=torch.uint8))

@@ -11,13 +11,14 @@ rows. Here:
   table lookup (:func:`distributed_ext._native.map_through_table`): ModelOpt's bytes by
   construction.
 - **NVFP4** (``nvfp4``, ``w4a16_nvfp4``) with scales computed from the weight (not a static
-  quantizer's): :func:`distributed_ext._native.nvfp4_rows` restates its arithmetic in C++;
-  rows whose blocks hold a NaN are left to ModelOpt.
+  quantizer's): :func:`distributed_ext._native.nvfp4_rows` restates its arithmetic in C++.
+  (A block holding a NaN gets a NaN scale whose sign bit ModelOpt's own arithmetic sets
+  differently with how many rows torch computes at once; no other byte differs.)
 
-Each is compared, once per process and dtype, with ModelOpt's export of the same rows (every
-value of the dtype, in shuffled order) before it is used; where it differs (another ModelOpt
-or torch), ModelOpt's arithmetic is used, with a warning. Each weight holds at most a 64 KiB
-table; nothing else is kept.
+Each is compared, once per process and dtype, with ModelOpt's export of the same rows
+(every finite value of the dtype and the infinities, shuffled) before it is used; where it
+differs (another ModelOpt or torch), ModelOpt's arithmetic is used, with a warning. Each
+weight holds at most a 64 KiB table; nothing else is kept.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ RowsFn = Callable[[torch.Tensor, int], dict[str, torch.Tensor]]
 
 
 def _every_value(dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """Every value of a 2-byte ``dtype`` once (NaNs and infinities included), in a fixed
-    shuffled order, as rows of ``cols`` (the last row filled from the start again)."""
+    """Every value of a 2-byte ``dtype`` once (infinities included, NaNs as zeros), in a
+    fixed shuffled order, as rows of ``cols`` (the last row filled from the start again)."""
     values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = values.masked_fill(values.isnan(), 0)
     values = values[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
     rows = -(-65536 // cols)
     return torch.cat([values, values[: rows * cols - 65536]]).reshape(rows, cols)
@@ -70,7 +72,7 @@ def fast_rows(fmt: str, weight_quantizer: torch.nn.Module, weight_dtype: torch.d
         block = cols // one["weight_scale"].shape[1]
         if block % 2:
             return None
-        fn = _Nvfp4Rows(modelopt_rows, float(one["weight_scale_2"].reshape(())), block)
+        fn = _Nvfp4Rows(float(one["weight_scale_2"].reshape(())), block)
     else:
         return None
     key = (fmt, weight_dtype, dtype, block)
@@ -134,15 +136,12 @@ class _Fp8Rows:
 
 
 class _Nvfp4Rows:
-    """NVFP4 rows by the compiled core; rows with a NaN in a block by ModelOpt's."""
+    """NVFP4 rows by the compiled core."""
 
-    def __init__(self, modelopt_rows: RowsFn, scale_2: float, block: int) -> None:
-        self.modelopt_rows, self.scale_2, self.block = modelopt_rows, scale_2, block
+    def __init__(self, scale_2: float, block: int) -> None:
+        self.scale_2, self.block = scale_2, block
 
     def __call__(self, rows: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
         src = rows if rows.is_contiguous() else rows.contiguous()
-        packed, scales, nan = nvfp4_rows(src, self.scale_2, self.block)
-        if nan:
-            theirs = self.modelopt_rows(rows, first)
-            return {"weight": theirs["weight"], "weight_scale": theirs["weight_scale"]}
+        packed, scales = nvfp4_rows(src, self.scale_2, self.block)
         return {"weight": packed, "weight_scale": scales.view(torch.float8_e4m3fn)}

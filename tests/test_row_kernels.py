@@ -1,0 +1,194 @@
+"""The compiled core's versions of ModelOpt's row arithmetic (export/plan/row_kernels.py),
+compared byte for byte with ModelOpt's own functions on every value of bfloat16 and float16
+(infinities included; NaN blocks as far as ModelOpt's own bytes are defined), the fallback
+to ModelOpt's where a kernel differs, and a one-process export that takes the compiled
+path for every quantized weight and still equals ModelOpt's own export. ModelOpt is
+imported only in the ranks (a fresh process each)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+
+import pytest
+import torch
+from harness import assert_all_ok, run_ranks
+
+if importlib.util.find_spec("modelopt") is None:
+    pytest.skip("needs nvidia-modelopt (the [test] extra)", allow_module_level=True)
+
+import hf_models  # noqa: E402
+
+# Global scales from tiny to large (a real weight's amax / (6 * 448) is about 1e-5).
+SCALES_2 = [7.4e-6, 1.3e-4, 3.7e-3, 1.0, 250.0]
+
+
+def _every_value(dtype: torch.dtype) -> torch.Tensor:
+    values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    return values[torch.randperm(65536, generator=torch.Generator().manual_seed(3))]
+
+
+def _modelopt_nvfp4(rows: torch.Tensor, scale_2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ModelOpt's two calls for a dynamic NVFP4 weight (as _export_quantized_weight makes)."""
+    from modelopt.torch.export.quant_utils import to_quantized_weight
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    scale = NVFP4QTensor.get_weights_scaling_factor(rows, 16, scale_2)[0]
+    return {"weight": to_quantized_weight(rows, scale, "nvfp4", scale_2, 16),
+            "weight_scale": scale}
+
+
+def _compare_nvfp4() -> list[str]:
+    warnings.filterwarnings("ignore")
+    from distributed_ext._native import nvfp4_rows
+    from distributed_ext.export.plan.row_kernels import _Nvfp4Rows
+
+    wrong = []
+    for dtype in (torch.bfloat16, torch.float16):
+        rows = _every_value(dtype).reshape(-1, 512)
+        nan_blocks = rows.reshape(rows.shape[0], -1, 16).isnan().any(-1)
+        for s2 in SCALES_2:
+            scale_2 = torch.tensor(s2, dtype=torch.float32)
+            ref = _modelopt_nvfp4(rows, scale_2)
+            packed, scales = nvfp4_rows(rows, float(scale_2), 16)
+            # Every block without a NaN: the same bytes; with one: a NaN scale (ModelOpt's
+            # sign bit varies with how many rows torch computes at once), the same codes.
+            ok = ~nan_blocks
+            theirs = ref["weight_scale"].view(torch.uint8)
+            if not torch.equal(scales[ok], theirs[ok]):
+                wrong.append(f"{dtype} {s2}: block scales")
+            if not (torch.all(scales[nan_blocks] == 0x7F) and
+                    torch.all(theirs[nan_blocks] & 0x7F == 0x7F)):
+                wrong.append(f"{dtype} {s2}: the scale of a block with a NaN")
+            if not torch.equal(packed, ref["weight"]):
+                wrong.append(f"{dtype} {s2}: codes")
+            got = _Nvfp4Rows(float(scale_2), 16)(rows, 0)
+            if got["weight_scale"].dtype != ref["weight_scale"].dtype or \
+                    got["weight"].dtype != ref["weight"].dtype:
+                wrong.append(f"{dtype}: dtypes")
+    # float32 rows: random values over sixteen decades.
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(64, 1024, generator=g) * torch.logspace(-8, 8, 1024)
+    for s2 in SCALES_2:
+        scale_2 = torch.tensor(s2, dtype=torch.float32)
+        ref = _modelopt_nvfp4(rows, scale_2)
+        packed, scales = nvfp4_rows(rows, float(scale_2), 16)
+        if not (torch.equal(packed, ref["weight"]) and
+                torch.equal(scales, ref["weight_scale"].view(torch.uint8))):
+            wrong.append(f"float32 {s2}")
+    return wrong
+
+
+def test_nvfp4_kernel_equals_modelopts_arithmetic_on_every_value():
+    assert assert_all_ok(run_ranks(_compare_nvfp4, 1, init=False, timeout=240)) == [[]]
+
+
+def _compare_fp8() -> list[str]:
+    warnings.filterwarnings("ignore")
+    from modelopt.torch.export.quant_utils import to_quantized_weight
+
+    from distributed_ext.export.plan.row_kernels import _Fp8Rows
+
+    wrong = []
+    for dtype in (torch.bfloat16, torch.float16):
+        rows = _every_value(dtype).reshape(128, 512)
+        for s in (1e-6, 0.02 / 448, 1.0, 3.3e3):
+            scale = torch.tensor(s)
+            ref = to_quantized_weight(rows, scale, "fp8")
+            fn = _Fp8Rows(scale, dtype, dtype)
+            for got in (fn(rows, 0)["weight"], fn(rows.t(), 0)["weight"].t()):
+                if got.dtype != ref.dtype or not torch.equal(got.view(torch.uint8),
+                                                             ref.view(torch.uint8)):
+                    wrong.append(f"{dtype} {s}")
+    return wrong
+
+
+def test_fp8_table_equals_modelopts_arithmetic_on_every_value():
+    assert assert_all_ok(run_ranks(_compare_fp8, 1, init=False, timeout=120)) == [[]]
+
+
+def _fallback_where_the_kernel_differs() -> tuple:
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from distributed_ext.export.plan import row_kernels
+
+    row_kernels._CHECKED.clear()
+    real = row_kernels.nvfp4_rows
+
+    def off_by_one(src, scale_2, block):  # a kernel with one wrong code
+        packed, scales = real(src, scale_2, block)
+        packed.view(-1)[7] ^= 1
+        return packed, scales
+
+    row_kernels.nvfp4_rows = off_by_one
+    scale_2 = torch.tensor(1e-3)
+    one = {"weight": torch.zeros((2, 32), dtype=torch.uint8),
+           "weight_scale": torch.zeros((2, 4), dtype=torch.float8_e4m3fn),
+           "weight_scale_2": scale_2}
+    args = ("nvfp4", TensorQuantizer(), torch.bfloat16, torch.bfloat16, 64, one,
+            ["weight", "weight_scale"], lambda r, _f: _modelopt_nvfp4(r, scale_2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrong = row_kernels.fast_rows(*args)
+    row_kernels.nvfp4_rows = real
+    row_kernels._CHECKED.clear()
+    right = row_kernels.fast_rows(*args)
+    return (wrong is None, [str(w.message) for w in caught], right is not None)
+
+
+def test_a_kernel_that_differs_from_modelopt_is_not_used():
+    [(refused, said, used)] = assert_all_ok(run_ranks(_fallback_where_the_kernel_differs, 1,
+                                                      init=False, timeout=120))
+    assert refused and used
+    assert any("compiled nvfp4 arithmetic differs from ModelOpt's" in s for s in said), said
+
+
+def _export_alone(base: str, fmt: str) -> tuple[int, int]:
+    """ModelOpt's export and ours (one process, no group) of a tiny Llama quantized ``fmt``;
+    how many quantized weights took the compiled path, of how many."""
+    warnings.filterwarnings("ignore")
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    import distributed_ext as dx
+    from distributed_ext.export.plan import quantized, row_kernels
+
+    def quantized_llama():
+        model = hf_models.build("llama", 0, dtype=torch.bfloat16, hidden_size=256,
+                                intermediate_size=512, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2)
+        model = model.to(torch.bfloat16)
+        model.config.architectures = ["LlamaForCausalLM"]
+        batch = torch.randint(0, 130, (2, 16), generator=torch.Generator().manual_seed(1))
+        mtq.quantize(model, getattr(mtq, fmt), lambda m: m(batch))
+        return model
+
+    export_hf_checkpoint(quantized_llama(), dtype=torch.bfloat16,
+                         export_dir=os.path.join(base, "ref"))
+    made = []
+    real = row_kernels.fast_rows
+
+    def counted(*args, **kwargs):
+        fn = real(*args, **kwargs)
+        made.append(fn is not None)
+        return fn
+
+    quantized.fast_rows = counted
+    dx.export_hf_checkpoint(quantized_llama(), os.path.join(base, "ours"))
+    return sum(made), len(made)
+
+
+@pytest.mark.parametrize("fmt", ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"])
+def test_an_export_takes_the_compiled_path_and_equals_modelopts(fmt, tmp_path):
+    base = str(tmp_path)
+    [(fast, units)] = assert_all_ok(run_ranks(_export_alone, 1, base, fmt, init=False,
+                                              timeout=180))
+    assert units == 14 and fast == units, (fast, units)  # 7 linears a layer, 2 layers
+    ref = hf_models.read_checkpoint(os.path.join(base, "ref"))
+    ours = hf_models.read_checkpoint(os.path.join(base, "ours"))
+    assert sorted(ours) == sorted(ref)
+    differ = [k for k in ref if ref[k].dtype != ours[k].dtype or ref[k].shape != ours[k].shape
+              or not torch.equal(ref[k].reshape(-1).view(torch.uint8),
+                                 ours[k].reshape(-1).view(torch.uint8))]
+    assert not differ, differ
