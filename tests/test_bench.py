@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 from harness import REPO, run_torchrun
 
 from distributed_ext import bench
@@ -412,3 +413,17 @@ def test_the_fsdp_tp_scenario_judges_ours_against_transformers_save_and_the_disk
             "0.70x (target >= 0.8x)") in lines
     with pytest.raises(ValueError, match="--world 3: FSDP x TP needs an even world"):
         bench.measure_fsdp_tp(3, 2**20, 0, str(tmp_path))
+
+
+def test_peak_rss_counts_the_blocks_own_peak_only():
+    from distributed_ext.bench.resources import PeakRSS
+
+    big = torch.ones(64 * 2**20, dtype=torch.uint8)  # an earlier peak, before the block
+    del big
+    with PeakRSS() as quiet:
+        pass
+    with PeakRSS() as busy:
+        held = torch.ones(48 * 2**20, dtype=torch.uint8)  # (touched: every page resident)
+        del held
+    assert quiet.added < 8 * 2**20, quiet.added
+    assert 44 * 2**20 <= busy.added < 64 * 2**20, busy.added
