@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace distributed_ext {
 
@@ -47,14 +48,13 @@ namespace {
 // E2M1 (FP4) code of a float32 value as ModelOpt's NVFP4QTensor._cast_fp4 computes it: the
 // sign of (v < 0), the count of bounds b with !(b >= |v|) (torch.searchsorted's lower bound:
 // NaN counts all seven), plus one at the ties 0.75, 1.75 and 3.5 (round half to even).
+// Branch-free, so that the compiler vectorizes the loop over a row.
 inline uint8_t fp4_code(float v) {
-  constexpr float kBounds[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-  const uint8_t sign = v < 0.0f ? 1 : 0;
   const float a = std::fabs(v);
-  uint8_t ord = 0;
-  for (float b : kBounds) ord += !(b >= a) ? 1 : 0;
-  const uint8_t tie = (a == 0.75f || a == 1.75f || a == 3.5f) ? 1 : 0;
-  return static_cast<uint8_t>((sign << 3) + ord + tie);
+  const int ord = !(0.25f >= a) + !(0.75f >= a) + !(1.25f >= a) + !(1.75f >= a) +
+                  !(2.5f >= a) + !(3.5f >= a) + !(5.0f >= a);
+  const int tie = (a == 0.75f) + (a == 1.75f) + (a == 3.5f);
+  return static_cast<uint8_t>(((v < 0.0f) << 3) + ord + tie);
 }
 
 // torch.clamp(x, lo, hi) on float32: NaN stays NaN.
@@ -63,8 +63,35 @@ inline float clamp_like_torch(float x, float lo, float hi) {
   return std::min(std::max(x, lo), hi);
 }
 
+inline float to_float(c10::BFloat16 x) {  // (exact: the upper half of a float32)
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(float x) { return x; }
+
+// The codes of a row of blocks, each block's values divided by its divisor. Compiled for
+// AVX2 as well where the compiler can (picked at load time by the CPU): IEEE division and
+// comparisons give the same results at any vector width.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void codes_of_row(const float* xf, const float* denom, int64_t blocks, int64_t block,
+                  uint8_t* code) {
+  for (int64_t k = 0; k < blocks; ++k) {
+    const float d = denom[k];
+    const float* b = xf + k * block;
+    uint8_t* c = code + k * block;
+    for (int64_t j = 0; j < block; ++j) c[j] = fp4_code(b[j] / d);
+  }
+}
+
 // A block with a NaN gets a NaN scale (0x7F) and every code 7, as in ModelOpt's, whose own
 // NaN's sign bit varies with how many rows torch computes at once (vector or scalar code).
+// Row by row: the row in float32, each block's scale and divisor, then the codes of the
+// whole row (one loop the compiler vectorizes), then the packing.
 template <typename T>
 void nvfp4_rows_typed(const T* src, int64_t rows, int64_t cols, float scale_2, int64_t block,
                       uint8_t* packed, uint8_t* scales) {
@@ -72,15 +99,19 @@ void nvfp4_rows_typed(const T* src, int64_t rows, int64_t cols, float scale_2, i
   // E2M1_MAX * weights_scaling_factor_2, a float32 product.
   const float divisor = 6.0f * scale_2;
   at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> xf(cols), denom(blocks);
+    std::vector<uint8_t> code(cols);
     for (int64_t r = lo; r < hi; ++r) {
+      const T* x = src + r * cols;
+      for (int64_t j = 0; j < cols; ++j) xf[j] = to_float(x[j]);
       for (int64_t k = 0; k < blocks; ++k) {
-        const T* x = src + r * cols + k * block;
-        // Block amax in the source dtype (its abs and max are exact), NaN propagating.
+        // Block amax (abs and max are exact in any dtype), NaN propagating.
+        const float* b = xf.data() + k * block;
         float amax = 0.0f;
         bool nan = false;
         for (int64_t j = 0; j < block; ++j) {
-          const float a = std::fabs(static_cast<float>(x[j]));
-          if (std::isnan(a)) nan = true;
+          const float a = std::fabs(b[j]);
+          nan |= a != a;
           amax = a > amax ? a : amax;
         }
         if (nan) amax = std::numeric_limits<float>::quiet_NaN();
@@ -89,13 +120,12 @@ void nvfp4_rows_typed(const T* src, int64_t rows, int64_t cols, float scale_2, i
         const c10::Float8_e4m3fn fp8(clamp_like_torch(scale, 0.001953125f, 448.0f));
         scales[r * blocks + k] = fp8.x;
         // weights_scaling_factor.to(float32) * weights_scaling_factor_2: float32.
-        const float denom = static_cast<float>(fp8) * scale_2;
-        uint8_t* out = packed + (r * cols + k * block) / 2;
-        for (int64_t j = 0; j < block; j += 2) {
-          const uint8_t even = fp4_code(static_cast<float>(x[j]) / denom);
-          const uint8_t odd = fp4_code(static_cast<float>(x[j + 1]) / denom);
-          out[j / 2] = static_cast<uint8_t>((odd << 4) | even);
-        }
+        denom[k] = static_cast<float>(fp8) * scale_2;
+      }
+      codes_of_row(xf.data(), denom.data(), blocks, block, code.data());
+      uint8_t* out = packed + r * (cols / 2);
+      for (int64_t j = 0; j < cols / 2; ++j) {
+        out[j] = static_cast<uint8_t>((code[2 * j + 1] << 4) | code[2 * j]);
       }
     }
   });
