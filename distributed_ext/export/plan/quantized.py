@@ -380,6 +380,29 @@ def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = Non
     return out
 
 
+# _kind(...) -> the outputs of ModelOpt's export that grow with the rows (_plan_unit)
+_PER_ROW: dict[tuple, list[str]] = {}
+
+
+def _kind(unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype, cols: int, whole: bool
+          ) -> tuple:
+    """What ModelOpt's export of a weight's rows makes of their number: the format, the
+    quantizers' setup (block sizes, axis, each buffer's shape with the weight's rows as
+    ``"rows"``), the columns and dtypes."""
+    def shapes(q: nn.Module | None) -> tuple:
+        if q is None:
+            return ()
+        return tuple((name, buf.dim(), tuple(
+            f"rows*{d // unit.total}" if i == 0 and d and d % unit.total == 0 else d
+            for i, d in enumerate(buf.shape)))
+            for name, buf in q.named_buffers() if isinstance(buf, torch.Tensor))
+
+    wq = unit.weight_quantizer
+    return (unit.fmt, str(weight_dtype), str(dtype), cols, whole,
+            repr(getattr(wq, "block_sizes", None)), repr(getattr(wq, "axis", None)),
+            shapes(wq), shapes(unit.input_quantizer), type(wq).__name__)
+
+
 def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype,
                out: Quantized, extra: dict[str, torch.Tensor], digest: list[tuple]) -> None:
     """One quantized weight: its global outputs into ``extra``, its per-row ones into
@@ -397,12 +420,18 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
         return _export_rows(unit, torch.ones((n, shape[1]), dtype=weight_dtype), 0, dtype)
 
     one = ones(probe)
-    # (a weight of under four blocks: every output with rows is computed from its rows)
-    two = one if probe == total else ones(2 * probe)
+    # Which outputs grow with the rows depends on the format, the quantizer's setup and the
+    # weight's columns and dtypes, not on its values: asked of ModelOpt once per kind.
+    kind = _kind(unit, weight_dtype, dtype, shape[1], probe == total)
+    per_row = _PER_ROW.get(kind)
+    if per_row is None or not set(per_row) <= set(one):
+        # (a weight of under four blocks: every output with rows is computed from its rows)
+        two = one if probe == total else ones(2 * probe)
+        per_row = [k for k, small in one.items() if k == "weight" or (small.dim() > 0 and (
+            two[k].shape != small.shape or two is one))]
+        _PER_ROW[kind] = per_row
     prefix = w.key.removesuffix("weight")
     what = f"{unit.name} ({unit.fmt})"
-    per_row = [k for k, small in one.items() if k == "weight" or (small.dim() > 0 and (
-        two[k].shape != small.shape or two is one))]
     token = next(_TOKENS)  # (this weight's rows, in the kept outputs' keys)
     fast = fast_rows(unit.fmt, unit.weight_quantizer, weight_dtype, dtype, shape[1], one,
                      per_row, lambda rows, first: _export_rows(unit, rows, first, dtype))
