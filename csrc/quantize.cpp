@@ -72,61 +72,65 @@ inline float to_float(c10::BFloat16 x) {  // (exact: the upper half of a float32
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(float x) { return x; }
 
-// The codes of a row of blocks, each block's values divided by its divisor. Compiled for
-// AVX2 as well where the compiler can (picked at load time by the CPU): IEEE division and
-// comparisons give the same results at any vector width.
+// One row (in float32) of NVFP4: each block's amax, E4M3 scale and divisor, then the codes
+// of the whole row and their packing, each a loop the compiler vectorizes. Compiled for AVX2
+// as well where the compiler can (picked at load time by the CPU): IEEE division and
+// comparisons give the same results at any vector width. The block amax is an integer max
+// of the values' magnitude bits (|x| orders as its bits; a NaN's bits exceed infinity's, so
+// a NaN propagates, as in torch's amax). Scratch: denom [blocks], code and mag [cols].
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-void codes_of_row(const float* xf, const float* denom, int64_t blocks, int64_t block,
-                  uint8_t* code) {
+void nvfp4_row(const float* xf, int64_t cols, int64_t block, float scale_2, uint8_t* packed,
+               uint8_t* scales, float* denom, uint8_t* code, uint32_t* mag) {
+  const int64_t blocks = cols / block;
+  // E2M1_MAX * weights_scaling_factor_2, a float32 product.
+  const float divisor = 6.0f * scale_2;
+  for (int64_t j = 0; j < cols; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, xf + j, sizeof bits);
+    mag[j] = bits & 0x7FFFFFFFu;
+  }
+  for (int64_t k = 0; k < blocks; ++k) {
+    const uint32_t* m = mag + k * block;
+    uint32_t top = 0;
+    for (int64_t j = 0; j < block; ++j) top = std::max(top, m[j]);
+    float amax;
+    std::memcpy(&amax, &top, sizeof amax);
+    if (std::isnan(amax)) amax = std::numeric_limits<float>::quiet_NaN();
+    float scale = amax / divisor;
+    if (scale == 0.0f) scale = 1.0f;
+    const c10::Float8_e4m3fn fp8(clamp_like_torch(scale, 0.001953125f, 448.0f));
+    scales[k] = fp8.x;
+    // weights_scaling_factor.to(float32) * weights_scaling_factor_2: float32.
+    denom[k] = static_cast<float>(fp8) * scale_2;
+  }
   for (int64_t k = 0; k < blocks; ++k) {
     const float d = denom[k];
     const float* b = xf + k * block;
     uint8_t* c = code + k * block;
     for (int64_t j = 0; j < block; ++j) c[j] = fp4_code(b[j] / d);
   }
+  for (int64_t j = 0; j < cols / 2; ++j) {
+    packed[j] = static_cast<uint8_t>((code[2 * j + 1] << 4) | code[2 * j]);
+  }
 }
 
 // A block with a NaN gets a NaN scale (0x7F) and every code 7, as in ModelOpt's, whose own
 // NaN's sign bit varies with how many rows torch computes at once (vector or scalar code).
-// Row by row: the row in float32, each block's scale and divisor, then the codes of the
-// whole row (one loop the compiler vectorizes), then the packing.
 template <typename T>
 void nvfp4_rows_typed(const T* src, int64_t rows, int64_t cols, float scale_2, int64_t block,
                       uint8_t* packed, uint8_t* scales) {
   const int64_t blocks = cols / block;
-  // E2M1_MAX * weights_scaling_factor_2, a float32 product.
-  const float divisor = 6.0f * scale_2;
   at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> xf(cols), denom(blocks);
     std::vector<uint8_t> code(cols);
+    std::vector<uint32_t> mag(cols);
     for (int64_t r = lo; r < hi; ++r) {
       const T* x = src + r * cols;
       for (int64_t j = 0; j < cols; ++j) xf[j] = to_float(x[j]);
-      for (int64_t k = 0; k < blocks; ++k) {
-        // Block amax (abs and max are exact in any dtype), NaN propagating.
-        const float* b = xf.data() + k * block;
-        float amax = 0.0f;
-        bool nan = false;
-        for (int64_t j = 0; j < block; ++j) {
-          const float a = std::fabs(b[j]);
-          nan |= a != a;
-          amax = a > amax ? a : amax;
-        }
-        if (nan) amax = std::numeric_limits<float>::quiet_NaN();
-        float scale = amax / divisor;
-        if (scale == 0.0f) scale = 1.0f;
-        const c10::Float8_e4m3fn fp8(clamp_like_torch(scale, 0.001953125f, 448.0f));
-        scales[r * blocks + k] = fp8.x;
-        // weights_scaling_factor.to(float32) * weights_scaling_factor_2: float32.
-        denom[k] = static_cast<float>(fp8) * scale_2;
-      }
-      codes_of_row(xf.data(), denom.data(), blocks, block, code.data());
-      uint8_t* out = packed + r * (cols / 2);
-      for (int64_t j = 0; j < cols / 2; ++j) {
-        out[j] = static_cast<uint8_t>((code[2 * j + 1] << 4) | code[2 * j]);
-      }
+      nvfp4_row(xf.data(), cols, block, scale_2, packed + r * (cols / 2), scales + r * blocks,
+                denom.data(), code.data(), mag.data());
     }
   });
 }
