@@ -33,10 +33,16 @@ def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
     blocks inside each run; their ends are written by the blocks' owners (:mod:`transport.shared_blocks`).
     ``stop``: read between messages; once some rank failed, the rest is not written (no
     peer waits on these writes). A failure here is raised; the caller that holds it back
-    for the agreeing round raises ``stop`` for the others."""
+    for the agreeing round raises ``stop`` for the others.
+
+    Host bytes are staged a message ahead of the write (:func:`_write_staged_ahead`): the
+    packing or computing of the next message overlaps the write of this one."""
     if not messages:
         return
     write = sink.write_middles if middles else sink.write_batch
+    if len(messages) > 1 and stager.link.type == "cpu" and stager.pinned is None:
+        _write_staged_ahead(stager, sink, write, messages, stop)
+        return
     for message in messages:
         if stop is not None and stop.seen():
             return
@@ -44,6 +50,50 @@ def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
         if stager.failure is not None:
             raise stager.failure
         write(data, _rows(message))
+
+
+def _write_staged_ahead(stager: _Stager, sink: Any, write: Callable[..., None],
+                        messages: list[list[Segment]], stop: StopSignal | None) -> None:
+    """:func:`_write_own` with the writes in a thread of their own, one message behind the
+    staging here: message ``k`` is staged into host slot ``k % 3`` while message ``k - 1``
+    is written; the hand-over holds one message, so a slot is staged into again only once
+    the write that read it has returned. Holds at most three messages' bytes (a computed
+    message's own, or a slot)."""
+    import queue
+
+    handed: queue.Queue = queue.Queue(maxsize=1)
+    failed: list[BaseException] = []
+
+    def writes() -> None:
+        while True:
+            item = handed.get()
+            if item is None:
+                return
+            data, _keep, rows = item
+            if failed:
+                continue  # (the staging stops at its next message)
+            try:
+                write(data, rows)
+            except BaseException as exc:  # noqa: BLE001 - raised by the staging thread
+                failed.append(exc)
+
+    writer = threading.Thread(target=writes, daemon=True, name="distributed_ext own writes")
+    writer.start()
+    try:
+        for k, message in enumerate(messages):
+            if failed or (stop is not None and stop.seen()):
+                break
+            data, keep = stager.stage(message, k % 3, _placement(sink, message))
+            if stager.failure is not None:
+                break
+            handed.put((data, keep, _rows(message)))
+    finally:
+        handed.put(None)
+        writer.join()
+    if stager.failure is not None:
+        raise stager.failure
+    if failed:
+        raise failed[0]
 
 
 def _start_own_writes(writes: Callable[[], None], ctx: _agree.GroupContext,
