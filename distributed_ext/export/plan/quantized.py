@@ -387,8 +387,8 @@ _PER_ROW: dict[tuple, list[str]] = {}
 def _kind(unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype, cols: int, whole: bool
           ) -> tuple:
     """What ModelOpt's export of a weight's rows makes of their number: the format, the
-    quantizers' setup (block sizes, axis, each buffer's shape with the weight's rows as
-    ``"rows"``), the columns and dtypes."""
+    quantizers' setup (block sizes, axis, each buffer's shape, a multiple ``k`` of the
+    weight's rows written ``"rows*k"``), the columns and dtypes."""
     def shapes(q: nn.Module | None) -> tuple:
         if q is None:
             return ()

@@ -49,8 +49,7 @@ class Transform:
                 out = torch.empty((n // self.step * self.out_rows, *part.shape[1:]),
                                   dtype=part.dtype, device=part.device)
             at = a // self.step * self.out_rows
-            # (as bytes: torch's float8 copy rewrites a NaN's sign)
-            out.view(torch.uint8)[at : at + part.shape[0]] = part.view(torch.uint8)
+            out[at : at + part.shape[0]] = part
         assert out is not None
         return out
 
