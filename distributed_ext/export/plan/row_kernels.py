@@ -58,7 +58,8 @@ def fast_rows(fmt: str, weight_quantizer: torch.nn.Module, weight_dtype: torch.d
     ModelOpt's export of a few rows of it (the written dtypes and shapes, the global
     scales)."""
     if fmt == "fp8" and set(per_row) == {"weight"} and weight_dtype.itemsize == 2 and \
-            one["weight"].dtype == torch.float8_e4m3fn:
+            one["weight"].dtype == torch.float8_e4m3fn and "weight_scale" in one and \
+            one["weight_scale"].numel() == 1:
         fn: RowsFn = _Fp8Rows(one["weight_scale"], weight_dtype, dtype)
         block = 0
     elif fmt in _NVFP4 and set(per_row) == {"weight", "weight_scale"} and \
