@@ -210,7 +210,7 @@ class _RowsOf:
                  kept: tuple[str, ...], fast: RowsFn | None) -> None:
         self.unit, self.suffix, self.dtype, self.token, self.kept = (unit, suffix, dtype,
                                                                      token, kept)
-        self.fast = fast  # the compiled core's arithmetic (plan.row_kernels), where it is
+        self.fast = fast  # the compiled core's arithmetic (plan.row_kernels), or None
 
     def __call__(self, rows: torch.Tensor, first: int) -> torch.Tensor:
         key = (self.token, first, rows.shape[0])

@@ -39,10 +39,15 @@ _NVFP4 = ("nvfp4", "w4a16_nvfp4")
 RowsFn = Callable[[torch.Tensor, int], dict[str, torch.Tensor]]
 
 
+def _all_values(dtype: torch.dtype) -> torch.Tensor:
+    """Every value of a 2-byte ``dtype``, in the order of their bits (a table's index)."""
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
 def _every_value(dtype: torch.dtype, cols: int) -> torch.Tensor:
     """Every value of a 2-byte ``dtype`` once (infinities included, NaNs as zeros), in a
     fixed shuffled order, as rows of ``cols`` (the last row filled from the start again)."""
-    values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = _all_values(dtype)
     values = values.masked_fill(values.isnan(), 0)
     values = values[torch.randperm(65536, generator=torch.Generator().manual_seed(0))]
     rows = -(-65536 // cols)
@@ -128,8 +133,7 @@ class _Fp8Rows:
         if table is None:  # (two threads may both make it: the same table)
             from modelopt.torch.export.quant_utils import to_quantized_weight
 
-            values = torch.arange(65536, dtype=torch.int32).to(torch.int16) \
-                .view(self.weight_dtype).reshape(256, 256)
+            values = _all_values(self.weight_dtype).reshape(256, 256)
             made = to_quantized_weight(values.to(self.dtype), self.scale, "fp8")
             table = self.table = made.reshape(-1).view(torch.uint8).contiguous()
         src = rows if rows.is_contiguous() else rows.contiguous()

@@ -7,6 +7,7 @@ runs (short ones go to dst, but a TP layout's rows: to their region's owner,
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -59,8 +60,6 @@ def _write_staged_ahead(stager: _Stager, sink: Any, write: Callable[..., None],
     is written; the hand-over holds one message, so a slot is staged into again only once
     the write that read it has returned. Holds at most three messages' bytes (a computed
     message's own, or a slot)."""
-    import queue
-
     handed: queue.Queue = queue.Queue(maxsize=1)
     failed: list[BaseException] = []
 
