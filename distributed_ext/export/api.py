@@ -145,12 +145,13 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     shard (a transposed or column block), on the piece's own device. With ``writers="all"``
     a sender also holds, for the pieces it writes itself, three host slots (pinned for GPU
     bytes: one) and an 8 MiB bounce buffer for direct writes; dst as above; and every rank,
-    for the blocks its runs share and the TP rows' regions, one message of up to 1 MiB per
+    for the blocks its runs share and the TP rows' regions, one message of up to 4 MiB per
     rank it sends to and two per rank it receives from (a few: its neighbours in the files,
-    its TP group), up to 64 MiB of the 1 MiB regions it owns being assembled (TP rows: a
-    region completes as its rows arrive, in file order), and 40 bytes per fragment (a
-    run's end: at most two per run) of its table, plus while the owners are planned ~200
-    bytes per fragment dealt to it (~1/W of the world's).
+    its TP group) and three 4 MiB slots where its own are packed, up to 64 MiB of the
+    1 MiB regions it owns being assembled (TP rows: a region completes as its rows arrive,
+    in file order), and 40 bytes per fragment (a run's end: at most two per run) of its
+    table, plus while the owners are planned ~200 bytes per fragment dealt to it (~1/W of
+    the world's).
 
     Cost: by bytes, not tensor count. Pieces under 1 MiB are packed into shared messages by
     the compiled core and written by dst in one native call per file and message; the

@@ -58,7 +58,6 @@ from distributed_ext.export.plan.entries import (
     resolve_state,
 )
 from distributed_ext.export.plan.holdings import agree_plan, merge_holdings
-from distributed_ext.export.plan.messages import pack_cap
 from distributed_ext.export.plan.pieces import check_keys, plan_entries
 from distributed_ext.export.plan.quantized import Quantized
 from distributed_ext.export.plan.safetensors import _DTYPE_BY_NAME
@@ -253,7 +252,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
             if fragments or any(s.fields[1] for s in statuses):
                 agreed("preparing the shared blocks", lambda: _edges.prepare_round(
                     parts["prepared"].edges, parts["sink"], entries, state, ctx, dst_rank,
-                    pack_cap(chunk), what, resolve=fragments))
+                    _edges.round_cap(chunk), what, resolve=fragments))
         sink, prepared = parts["sink"], parts["prepared"]
         assert prepared is not None
         try:
