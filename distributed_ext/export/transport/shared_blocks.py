@@ -46,8 +46,9 @@ from distributed_ext.export.transport.stop import StopSignal
 
 # The most bytes of one message of the exchange. Its rounds go in step (every rank waits for
 # each round's messages of its peers), so a round's cost is paid per message: measured, FSDP x
-# TP 1 GiB at world 4 on tmpfs (~45 rounds a rank at 1 MiB, ~12 at 4 MiB), a call took 0.87-
-# 1.13 s at 4 MiB against 1.06-1.31 s at 1 MiB, alternating, the same build.
+# TP 1 GiB at world 4 on tmpfs (~45 rounds a rank at 1 MiB, ~10 at 4 MiB), the first three
+# calls of fresh ranks took 0.95 s on average at 4 MiB against 1.10 s at 1 MiB, five runs
+# each, alternating (benchmarks/RESULTS.md); 8 MiB measured like 4.
 ROUND_BYTES = 4 * 2**20
 
 
