@@ -21,4 +21,8 @@ at::Tensor map_through_table(const at::Tensor& src, const at::Tensor& table);
 std::tuple<at::Tensor, at::Tensor> nvfp4_rows(const at::Tensor& src, double scale_2,
                                               int64_t block);
 
+// The block scales of nvfp4_rows alone (the same bytes; no codes computed): for a scales
+// tensor written before its weight's rows are computed. GIL released.
+at::Tensor nvfp4_scales(const at::Tensor& src, double scale_2, int64_t block);
+
 }  // namespace distributed_ext

@@ -178,6 +178,12 @@ def nvfp4_rows(src: torch.Tensor, scale_2: float, block: int
     return _C.nvfp4_rows(src, float(scale_2), int(block))
 
 
+def nvfp4_scales(src: torch.Tensor, scale_2: float, block: int) -> torch.Tensor:
+    """The block scales of :func:`nvfp4_rows` alone (uint8 ``[rows, cols / block]``, the same
+    bytes), without computing the codes; GIL released, threads used."""
+    return _C.nvfp4_scales(src, float(scale_2), int(block))
+
+
 def empty_bytearray(nbytes: int, prefault: bool = False, huge_pages: bool = True) -> bytearray:
     """A bytearray of ``nbytes`` whose contents are uninitialized; fill every byte before use.
 

@@ -217,3 +217,18 @@ def test_nvfp4_rows_refuses_a_block_that_does_not_divide_the_columns():
     # zeros: every code 0, every scale 1.0 (ModelOpt's for an all-zero block; E4M3 0x38)
     assert torch.equal(packed, torch.zeros((2, 16), dtype=torch.uint8))
     assert torch.equal(scales, torch.full((2, 2), 0x38, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="nvfp4_scales: block must be even"):
+        _native.nvfp4_scales(torch.zeros((2, 24), dtype=torch.bfloat16), 1.0, 16)
+
+
+def test_nvfp4_scales_alone_equal_those_of_the_rows():
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        rows = (torch.randn(37, 512, generator=g) * torch.logspace(-5, 5, 512)).to(dtype)
+        rows[1, 7], rows[2, 100], rows[4, :16] = float("nan"), float("-inf"), 0
+        for block in (16, 32):
+            for scale_2 in (1e-5, 0.3, 40.0):
+                _packed, scales = _native.nvfp4_rows(rows, scale_2, block)
+                alone = _native.nvfp4_scales(rows, scale_2, block)
+                assert alone.shape == scales.shape and torch.equal(alone, scales), \
+                    (dtype, block, scale_2)

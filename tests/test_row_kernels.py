@@ -29,13 +29,14 @@ def _every_value(dtype: torch.dtype) -> torch.Tensor:
     return values[torch.randperm(65536, generator=torch.Generator().manual_seed(3))]
 
 
-def _modelopt_nvfp4(rows: torch.Tensor, scale_2: torch.Tensor) -> dict[str, torch.Tensor]:
+def _modelopt_nvfp4(rows: torch.Tensor, scale_2: torch.Tensor, block: int = 16
+                    ) -> dict[str, torch.Tensor]:
     """ModelOpt's two calls for a dynamic NVFP4 weight (as _export_quantized_weight makes)."""
     from modelopt.torch.export.quant_utils import to_quantized_weight
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
-    scale = NVFP4QTensor.get_weights_scaling_factor(rows, 16, scale_2)[0]
-    return {"weight": to_quantized_weight(rows, scale, "nvfp4", scale_2, 16),
+    scale = NVFP4QTensor.get_weights_scaling_factor(rows, block, scale_2)[0]
+    return {"weight": to_quantized_weight(rows, scale, "nvfp4", scale_2, block),
             "weight_scale": scale}
 
 
@@ -82,6 +83,33 @@ def _compare_nvfp4() -> list[str]:
 
 def test_nvfp4_kernel_equals_modelopts_arithmetic_on_every_value():
     assert assert_all_ok(run_ranks(_compare_nvfp4, 1, init=False, timeout=240)) == [[]]
+
+
+def _compare_nvfp4_other_blocks() -> list[str]:
+    # NVFP4's block is 16 (a path compiled for it); any other even block takes the general
+    # path: the same arithmetic, compared here with ModelOpt's at 8 and 32.
+    warnings.filterwarnings("ignore")
+    from distributed_ext._native import nvfp4_rows
+
+    wrong = []
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = (torch.randn(48, 256, generator=g) * torch.logspace(-6, 6, 256)).to(dtype)
+        rows[3, 40] = float("inf")
+        for block in (8, 32):
+            for s2 in SCALES_2:
+                scale_2 = torch.tensor(s2, dtype=torch.float32)
+                ref = _modelopt_nvfp4(rows, scale_2, block)
+                packed, scales = nvfp4_rows(rows, float(scale_2), block)
+                if not (torch.equal(packed, ref["weight"]) and
+                        torch.equal(scales, ref["weight_scale"].view(torch.uint8))):
+                    wrong.append(f"{dtype} block {block} {s2}")
+    return wrong
+
+
+def test_nvfp4_kernel_at_other_block_sizes_equals_modelopts_arithmetic():
+    assert assert_all_ok(run_ranks(_compare_nvfp4_other_blocks, 1, init=False,
+                                   timeout=120)) == [[]]
 
 
 def _compare_fp8() -> list[str]:

@@ -218,6 +218,11 @@ class _RowsOf:
             got = _KEPT.take(key, self.suffix)
             if got is not None:
                 return got
+            # Not kept (the weight's rows not computed first, or cut otherwise): computed
+            # alone where the compiled core can (NVFP4's block scales: no codes).
+            alone = getattr(self.fast, "alone", {}).get(self.suffix)
+            if alone is not None:
+                return alone(rows, first)
         out = (self.fast(rows, first) if self.fast is not None
                else _export_rows(self.unit, rows, first, self.dtype))
         if self.suffix == "weight":

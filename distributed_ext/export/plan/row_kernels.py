@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from distributed_ext._native import map_through_table, nvfp4_rows
+from distributed_ext._native import map_through_table, nvfp4_rows, nvfp4_scales
 
 # (fmt, dtype, block) -> whether the kernel gave ModelOpt's bytes in this process.
 _CHECKED: dict[tuple, bool] = {}
@@ -113,7 +113,12 @@ def _same_bytes(fn: RowsFn, modelopt_rows: RowsFn, dtype: torch.dtype, cols: int
         rows = (torch.randn((-(-65536 // cols), cols), generator=g) *
                 torch.logspace(-8, 8, cols).to(torch.float32)).to(dtype)
     ours, theirs = fn(rows, 0), modelopt_rows(rows, 0)
-    return all(k in theirs and v.dtype == theirs[k].dtype and v.shape == theirs[k].shape
+    for name, alone in getattr(fn, "alone", {}).items():  # (each output it computes alone)
+        if name not in ours:
+            return False
+        ours[f"{name} alone"], theirs[f"{name} alone"] = alone(rows, 0), theirs.get(name)
+    return all(k in theirs and theirs[k] is not None and v.dtype == theirs[k].dtype
+               and v.shape == theirs[k].shape
                and torch.equal(v.view(torch.uint8), theirs[k].view(torch.uint8))
                for k, v in ours.items())
 
@@ -141,10 +146,17 @@ class _Fp8Rows:
 
 
 class _Nvfp4Rows:
-    """NVFP4 rows by the compiled core."""
+    """NVFP4 rows by the compiled core; ``alone``: the block scales without the codes (for
+    a scales tensor written before its weight's rows are computed, as where every rank
+    writes its own bytes: the scales' short rows go to dst first)."""
 
     def __init__(self, scale_2: float, block: int) -> None:
         self.scale_2, self.block = scale_2, block
+        self.alone = {"weight_scale": self._scales}
+
+    def _scales(self, rows: torch.Tensor, first: int) -> torch.Tensor:
+        src = rows if rows.is_contiguous() else rows.contiguous()
+        return nvfp4_scales(src, self.scale_2, self.block).view(torch.float8_e4m3fn)
 
     def __call__(self, rows: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
         src = rows if rows.is_contiguous() else rows.contiguous()
