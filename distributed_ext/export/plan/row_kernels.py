@@ -105,7 +105,8 @@ def _dynamic(weight_quantizer: torch.nn.Module) -> bool:
 
 def _same_bytes(fn: RowsFn, modelopt_rows: RowsFn, dtype: torch.dtype, cols: int) -> bool:
     """Whether ``fn`` gives ModelOpt's outputs, byte for byte, on rows of every value of
-    ``dtype`` (random float32 rows for a 4-byte dtype)."""
+    ``dtype`` (random float32 rows for a 4-byte dtype); so too each output it computes
+    alone (``fn.alone``)."""
     if dtype.itemsize == 2:
         rows = _every_value(dtype, cols)
     else:
