@@ -142,7 +142,7 @@ class _Fp8Rows:
             values = _all_values(self.weight_dtype).reshape(256, 256)
             made = to_quantized_weight(values.to(self.dtype), self.scale, "fp8")
             table = self.table = made.reshape(-1).view(torch.uint8).contiguous()
-        src = rows if rows.is_contiguous() else rows.contiguous()
+        src = rows.contiguous()  # (itself where it is)
         return {"weight": map_through_table(src, table).view(torch.float8_e4m3fn)}
 
 
@@ -156,10 +156,10 @@ class _Nvfp4Rows:
         self.alone = {"weight_scale": self._scales}
 
     def _scales(self, rows: torch.Tensor, first: int) -> torch.Tensor:
-        src = rows if rows.is_contiguous() else rows.contiguous()
+        src = rows.contiguous()  # (itself where it is)
         return nvfp4_scales(src, self.scale_2, self.block).view(torch.float8_e4m3fn)
 
     def __call__(self, rows: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
-        src = rows if rows.is_contiguous() else rows.contiguous()
+        src = rows.contiguous()  # (itself where it is)
         packed, scales = nvfp4_rows(src, self.scale_2, self.block)
         return {"weight": packed, "weight_scale": scales.view(torch.float8_e4m3fn)}

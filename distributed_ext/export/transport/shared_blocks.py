@@ -279,7 +279,7 @@ def prepare(plan: EdgePlan, state: dict[str, torch.Tensor], me: int, link: torch
                   + [_message_nbytes(m) for m in plan.kept] + [0])
     if link.type == "cuda" and biggest:
         plan.host = torch.empty(biggest, dtype=torch.uint8)
-    stager = _Stager(state, max(cap, biggest), link, None, packed=cap)
+    stager = _Stager(state, max(cap, biggest), link, None, slot_bytes=cap)
     stager.reserve([m for ms in plan.outgoing.values() for m in ms] + plan.kept)
     plan.stager = stager
 

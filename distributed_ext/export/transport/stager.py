@@ -98,11 +98,11 @@ class _Stager:
     """
 
     def __init__(self, state: dict[str, torch.Tensor], chunk: int, link: torch.device,
-                 pinned: _PinnedSlots | None, packed: int | None = None) -> None:
-        """``packed``: the most bytes of a packed message (default :func:`pack_cap` of
-        ``chunk``): the size of each host slot."""
+                 pinned: _PinnedSlots | None, slot_bytes: int | None = None) -> None:
+        """``slot_bytes``: the most bytes of a packed message, the size of each host slot
+        (default :func:`pack_cap` of ``chunk``)."""
         self.state, self.chunk, self.link, self.pinned = state, chunk, link, pinned
-        self.packed = pack_cap(chunk) if packed is None else packed
+        self.slot_bytes = pack_cap(chunk) if slot_bytes is None else slot_bytes
         self.failure: BaseException | None = None
         # The last piece read (a large one spans several messages), with its entry: one
         # Piece object serves every entry of a signature.
@@ -142,7 +142,7 @@ class _Stager:
             return
         if packed and self.pinned is None:
             self.host_slots = torch.empty(
-                (3, self.packed + 2 * _direct_io.ALIGN), dtype=torch.uint8)
+                (3, self.slot_bytes + 2 * _direct_io.ALIGN), dtype=torch.uint8)
         self.zeros = torch.empty(max(_message_nbytes(m) for m in messages), dtype=torch.uint8)
 
     def _failed_bytes(self, slot: int, n: int) -> torch.Tensor:
@@ -166,8 +166,8 @@ class _Stager:
             return self.dev_slots[slot, :n]
         if self.pinned is not None:
             return self.pinned.view(slot, n, shift)
-        if self.host_slots is None:  # only packed messages come here: at most `packed`
-            self.host_slots = torch.empty((3, self.packed + 2 * _direct_io.ALIGN),
+        if self.host_slots is None:  # only packed messages come here: at most `slot_bytes`
+            self.host_slots = torch.empty((3, self.slot_bytes + 2 * _direct_io.ALIGN),
                                           dtype=torch.uint8)
         return _direct_io.place(self.host_slots[slot], n, shift)
 
