@@ -7,8 +7,12 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #ifdef __linux__
 #include <sys/syscall.h>
@@ -49,6 +53,49 @@ int64_t pwrite_segments(int64_t fd, const at::Tensor& table) {
     }
   }
   return 0;
+}
+
+int64_t map_write_segments(int64_t fd, const at::Tensor& table, int64_t file_size) {
+  TORCH_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong &&
+                        table.dim() == 2 && table.size(1) == 3 && table.is_contiguous(),
+                    "map_write_segments: the table must be a contiguous CPU int64 tensor of "
+                    "shape [n, 3], got ", table.scalar_type(), " ", table.sizes());
+  TORCH_CHECK_VALUE(fd >= 0, "map_write_segments: fd must be an open descriptor, got ", fd);
+  const int64_t n = table.size(0);
+  if (n == 0) return 0;
+  const int64_t* rows = table.data_ptr<int64_t>();
+  // The span of the file the rows touch; every row must lie inside the file: a store to a
+  // mapped page past its end is a SIGBUS, not an error code.
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t offset = rows[3 * i + 1], nbytes = rows[3 * i + 2];
+    TORCH_CHECK_VALUE(offset >= 0 && nbytes >= 0 && nbytes <= file_size - offset,
+                      "map_write_segments: row ", i, " writes bytes [", offset, ", ",
+                      offset + nbytes, ") outside the file's ", file_size, " bytes");
+    TORCH_CHECK_VALUE(rows[3 * i] != 0 || nbytes == 0,
+                      "map_write_segments: row ", i, " has a null pointer");
+    if (nbytes == 0) continue;
+    lo = std::min(lo, offset);
+    hi = std::max(hi, offset + nbytes);
+  }
+  if (hi == 0) return 0;
+  pybind11::gil_scoped_release no_gil;
+  // The file's real size, read now: the caller's size is what the writers agreed on, and a
+  // file shortened behind our back must fail here, not fault in the copy below.
+  struct stat st;
+  if (::fstat(static_cast<int>(fd), &st) != 0) return errno;
+  if (st.st_size < hi) return EINVAL;
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  const int64_t start = lo - lo % page;
+  void* map = ::mmap(nullptr, static_cast<size_t>(hi - start), PROT_READ | PROT_WRITE,
+                     MAP_SHARED, static_cast<int>(fd), static_cast<off_t>(start));
+  if (map == MAP_FAILED) return errno;
+  char* base = static_cast<char*>(map) - start;  // base + offset: the file's byte there
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(base + rows[3 * i + 1], reinterpret_cast<const void*>(rows[3 * i]),
+                static_cast<size_t>(rows[3 * i + 2]));
+  }
+  return ::munmap(map, static_cast<size_t>(hi - start)) == 0 ? 0 : errno;
 }
 
 int64_t exchange_paths(const std::string& a, const std::string& b) {

@@ -13,6 +13,15 @@ namespace distributed_ext {
 // unmodified, and `fd` open, until the call returns (it is synchronous).
 int64_t pwrite_segments(int64_t fd, const at::Tensor& table);
 
+// Copies each row (src_ptr, file_offset, nbytes) of `table` into the file `fd` (open for
+// reading and writing) through one shared mapping of the span the rows touch, unmapped
+// before returning, with the GIL released. On a RAM filesystem this is the file's storage
+// itself: processes writing disjoint bytes of one file do not take turns on its lock, as
+// pwrite makes them, and a row costs a memcpy, not a syscall. Rows must lie inside
+// [0, file_size) (ValueError otherwise); returns 0, or the errno of a failed fstat, mmap
+// or munmap (EINVAL where the file is shorter than the rows reach). Same lifetime rule.
+int64_t map_write_segments(int64_t fd, const at::Tensor& table, int64_t file_size);
+
 // Swaps two paths atomically (Linux renameat2 with RENAME_EXCHANGE): each then names what
 // the other named, and no instant sees either missing. Returns 0, or the errno: ENOSYS or
 // EINVAL where the kernel or the filesystem cannot (the caller falls back), another errno

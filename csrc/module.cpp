@@ -118,6 +118,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pwrite_segments", &distributed_ext::pwrite_segments, pybind11::arg("fd"),
         pybind11::arg("table"),
         "pwrite rows (src_ptr, file_offset, nbytes) to fd; GIL released; 0 or an errno.");
+  m.def("map_write_segments", &distributed_ext::map_write_segments, pybind11::arg("fd"),
+        pybind11::arg("table"), pybind11::arg("file_size"),
+        "Copy rows (src_ptr, file_offset, nbytes) into fd through a shared mapping; GIL "
+        "released; 0 or an errno.");
   m.def("copy_bytes", &distributed_ext::copy_bytes, pybind11::arg("dst_ptr"),
         pybind11::arg("src_ptr"), pybind11::arg("nbytes"),
         "Copy nbytes between raw host pointers; GIL released.");

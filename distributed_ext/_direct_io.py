@@ -136,6 +136,7 @@ class DirectFile:
     def __init__(self, path: str, size: int, create: bool = True) -> None:
         self.path = path
         self.size = size
+        self.map_fd = -1  # read-write, for write_mapped (opened on its first call)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL if create else os.O_WRONLY
         self.fd = os.open(path, flags, 0o666)
         self.direct_fd: int | None = None
@@ -185,6 +186,19 @@ class DirectFile:
         from distributed_ext import _native
 
         _native.pwrite_segments(self.fd, segments)
+
+    def write_mapped(self, segments: list[tuple[int, int, int]] | torch.Tensor) -> None:
+        """Copies ``(src_ptr, offset, nbytes)`` runs into the file through a shared mapping
+        of the span they touch (:func:`distributed_ext._native.map_write_segments`), for a
+        RAM filesystem, where that mapping is the file's storage: processes filling
+        disjoint bytes of one file (pages included) do not take turns on its lock, and a
+        short run costs a copy, not a syscall. Durable as page-cache writes are
+        (:meth:`sync`). Lifetime: the source pointers are borrowed until this returns."""
+        from distributed_ext import _native
+
+        if self.map_fd < 0:
+            self.map_fd = os.open(self.path, os.O_RDWR)
+        _native.map_write_segments(self.map_fd, segments, self.size)
 
     def _write_direct(self, offset: int, data: torch.Tensor) -> None:
         assert self.direct_fd is not None
@@ -251,9 +265,9 @@ class DirectFile:
                 self.direct_fd = os.open(self.path, os.O_WRONLY | flag)
 
     def close(self) -> None:
-        for fd in (self.direct_fd, self.fd):
-            if fd is not None:
+        for fd in (self.direct_fd, self.fd, self.map_fd):
+            if fd is not None and fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self.direct_fd = None
-        self.fd = -1
+        self.fd = self.map_fd = -1

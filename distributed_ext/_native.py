@@ -142,6 +142,25 @@ def pwrite_segments(fd: int, segments: Segments) -> None:
         raise OSError(err, os.strerror(err))
 
 
+def map_write_segments(fd: int, segments: Segments, file_size: int) -> None:
+    """Copies each ``(src_ptr, file_offset, nbytes)`` into the file ``fd`` (open read-write)
+    through one shared mapping of the span they touch, GIL released: on a RAM filesystem,
+    the file's pages themselves, so several processes fill one file at once (``pwrite``
+    takes the file's lock for each call) and a short run costs a copy, not a syscall.
+
+    Raises ValueError where a row lies outside ``[0, file_size)``, OSError (with the errno)
+    where the file cannot be mapped or is shorter than the rows reach. The source pointers
+    are borrowed: the caller keeps their owners alive, and ``fd`` open, until this returns.
+    The mapping is gone when it returns; the process's memory grows by the pages touched
+    only while it runs.
+    """
+    if len(segments) == 0:
+        return
+    err = _C.map_write_segments(fd, _table(segments), int(file_size))
+    if err:
+        raise OSError(err, os.strerror(err))
+
+
 def exchange_paths(a: str, b: str) -> bool:
     """Swaps two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``), GIL released.
 

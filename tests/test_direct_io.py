@@ -164,3 +164,56 @@ def test_one_bounce_buffer_per_writing_thread_whatever_the_number_of_files(tmp_p
     assert len(buffers) == 1 and grown < 4 * _direct_io.BOUNCE_BYTES, (buffers, grown)
     with open(tmp_path / "f15", "rb") as f:
         assert f.read()[ALIGN:] == src.numpy().tobytes()
+
+
+def test_mapped_writes_of_several_processes_fill_one_file_byte_for_byte(ram_path):
+    # Three writers' interleaved short runs (pages shared between them) and one long run,
+    # through shared mappings of one file on a RAM filesystem, as writers="all" does there.
+    import multiprocessing as mp
+
+    path = os.path.join(ram_path, "mapped")
+    size = 3 * 2**20 + 123
+    DirectFile(path, size).close()
+    want = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator()
+                         .manual_seed(0))
+    run = 1000  # runs of 1000 bytes, rank r holds every third one
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_write_every_third_run, args=(path, size, want, run, r))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+    with open(path, "rb") as f:
+        got = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+    assert got.numel() == size and torch.equal(got, want)
+
+
+def _write_every_third_run(path, size, want, run, r):
+    f = DirectFile(path, size, create=False)
+    rows = [(want.data_ptr() + o, o, min(run, size - o)) for o in range(r * run, size, 3 * run)]
+    f.write_mapped(rows[: len(rows) // 2])  # two calls: two mappings, each of its own span
+    f.write_mapped(torch.tensor(rows[len(rows) // 2 :], dtype=torch.int64))
+    f.close()
+    os._exit(0)
+
+
+def test_a_mapped_write_outside_the_file_is_refused_before_any_byte_moves(tmp_path):
+    from distributed_ext import _native
+
+    f = DirectFile(str(tmp_path / "f"), 10_000)
+    data = torch.arange(200, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"row 1 writes bytes \[9900, 10100\) outside the "
+                                         r"file's 10000 bytes"):
+        f.write_mapped([(data.data_ptr(), 0, 100), (data.data_ptr(), 9900, 200)])
+    assert (tmp_path / "f").read_bytes() == bytes(10_000)  # nothing written
+    # a file shorter than the writers agreed (changed behind our back): an errno, no SIGBUS
+    os.truncate(tmp_path / "f", 100)
+    with pytest.raises(OSError) as info:
+        f.write_mapped([(data.data_ptr(), 5000, 100)])
+    assert info.value.errno == errno.EINVAL
+    with pytest.raises(ValueError, match="null pointer"):
+        _native.map_write_segments(f.map_fd, [(0, 0, 10)], 100)
+    f.close()
+    assert f.map_fd == -1

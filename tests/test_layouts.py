@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ pytest.importorskip("accelerate", reason="transformers' distributed loader needs
 pytest.importorskip("safetensors", reason="needs safetensors")
 
 from hf_models import build, make_input, read_checkpoint  # noqa: E402
+from test_export import _counting_sends  # noqa: E402
 
 # The models saved for the loader: name -> (family, config overrides). Six experts at
 # world 3: transformers' loader fails on a rank that gets no expert (4 over 3 ranks).
@@ -52,12 +54,19 @@ def _placements(model) -> set[str]:
             if hasattr(p, "placements")}
 
 
-def _export_both(model, out: str) -> None:
+def _export_both(model, out: str, ram: str) -> None:
+    """Both writers into ``out``; every rank writing into ``ram`` too (a RAM filesystem:
+    the files mapped, no byte over the link), moved to ``out``/ram for the comparison."""
     for writers in ("all", "dst"):
         dx.export_hf_checkpoint(model, os.path.join(out, writers), writers=writers)
+    sent = _counting_sends(lambda: dx.export_hf_checkpoint(model, ram, writers="all"))
+    assert sent == 0, f"rank {dist.get_rank()} sent {sent} bytes writing mapped files"
+    if dist.get_rank() == 0:
+        shutil.move(ram, os.path.join(out, "ram"))
+    dist.barrier()
 
 
-def _load_and_export(src: str, out: str, cases: list):
+def _load_and_export(src: str, out: str, ram: str, cases: list):
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -66,14 +75,14 @@ def _load_and_export(src: str, out: str, cases: list):
     for label, family, kwargs in cases:
         model = AutoModelForCausalLM.from_pretrained(
             os.path.join(src, family), distributed_config=DistributedConfig(**kwargs))
-        _export_both(model, os.path.join(out, label))
+        _export_both(model, os.path.join(out, label), os.path.join(ram, label))
         hub = dx.gather_full_state(model, hub_keys=True)
         seen[label] = (_placements(model), hub)
         del model
     return seen if dist.get_rank() == 0 else None
 
 
-def _torch_2d(out: str, sequence_parallel: bool):
+def _torch_2d(out: str, ram: str, sequence_parallel: bool):
     """torch's own 2-D recipe on a (dp=2, tp=2) mesh, as torchtitan applies it to a Llama."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -114,18 +123,18 @@ def _torch_2d(out: str, sequence_parallel: bool):
         parallelize_module(layer, mesh["tp"], plan)
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    _export_both(model, out)
+    _export_both(model, out, os.path.join(ram, "2d"))
     hub = dx.gather_full_state(model, hub_keys=True)
     return (_placements(model), hub) if dist.get_rank() == 0 else None
 
 
 def _assert_written_as(out: str, reference_dir: str, hub: dict, threads: int | None = None):
-    """``out``'s two checkpoints (writers all, dst) and ``hub`` are the reference's tensors,
-    with its config.json, and load to its logits."""
+    """``out``'s three checkpoints (writers all, dst; all on a RAM filesystem) and ``hub``
+    are the reference's tensors, with its config.json, and load to its logits."""
     from transformers import AutoModelForCausalLM
 
     reference = read_checkpoint(reference_dir)
-    for writers in ("all", "dst"):
+    for writers in ("all", "dst", "ram"):
         directory = os.path.join(out, writers)
         written = read_checkpoint(directory)
         assert sorted(written) == sorted(reference), writers
@@ -146,14 +155,14 @@ def _assert_written_as(out: str, reference_dir: str, hub: dict, threads: int | N
 
 @pytest.mark.parametrize("world", sorted(LOADED))
 def test_models_loaded_by_transformers_distributed_config_are_written_as_save_pretrained(
-        world, tmp_path):
+        world, tmp_path, ram_path):
     src = tmp_path / "src"
     for _label, family, _kwargs in LOADED[world]:
         if not (src / family).exists():  # the reference artifact itself
             name, overrides = SOURCES[family]
             build(name, **overrides).save_pretrained(src / family)
     out = tmp_path / "out"
-    seen = assert_all_ok(run_ranks(_load_and_export, world, str(src), str(out),
+    seen = assert_all_ok(run_ranks(_load_and_export, world, str(src), str(out), ram_path,
                                    LOADED[world], timeout=300))[0]
     strided = [label for label, (placements, _hub) in seen.items()
                if any("_StridedShard" in p for p in placements)]
@@ -168,11 +177,11 @@ def test_models_loaded_by_transformers_distributed_config_are_written_as_save_pr
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_torch_2d_recipe_fsdp_over_tp_is_written_as_save_pretrained(sequence_parallel,
-                                                                    tmp_path):
+                                                                    tmp_path, ram_path):
     reference_dir = tmp_path / "reference"
     build("llama").save_pretrained(reference_dir)
     out = tmp_path / "out"
-    placements, hub = assert_all_ok(run_ranks(_torch_2d, 4, str(out), sequence_parallel,
-                                              timeout=240))[0]
+    placements, hub = assert_all_ok(run_ranks(_torch_2d, 4, str(out), ram_path,
+                                              sequence_parallel, timeout=240))[0]
     assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in placements, placements
     _assert_written_as(str(out), str(reference_dir), hub)

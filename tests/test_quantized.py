@@ -80,9 +80,13 @@ def _modelopt_exports(base: str, cases: list[tuple[str, str]]) -> None:
     dx.export_hf_checkpoint(_quantized(*cases[0]), os.path.join(base, "alone"))
 
 
-def _export_shards(base: str, cases: list[tuple[str, str]], writers: str) -> dict:
-    """Each case: quantized, ``fsdp2_wrap``, exported from the shards; then the layout
-    that splits a pair (outcome per rank)."""
+def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
+                   ram: str | None = None) -> dict:
+    """Each case: quantized, ``fsdp2_wrap``, exported from the shards (and with ``ram``, by
+    every rank into that RAM filesystem too: the files mapped, moved beside the others as
+    "mapped"); then the layout that splits a pair (outcome per rank)."""
+    import shutil
+
     import torch.distributed as dist
 
     import distributed_ext as dx
@@ -91,7 +95,11 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str) -> dic
         model = _quantized(family, fmt)
         dx.fsdp2_wrap(model)
         dx.export_hf_checkpoint(model, os.path.join(base, "ours", family, fmt), writers=writers)
+        if ram is not None:
+            dx.export_hf_checkpoint(model, os.path.join(ram, family, fmt), writers="all")
     out = {}
+    if ram is not None and dist.get_rank() == 0:
+        shutil.move(ram, os.path.join(base, "mapped"))
     if dist.get_world_size() == 2:  # rank 1 calibrated otherwise: agreed, refused
         model = _quantized("llama", "FP8_DEFAULT_CFG")
         dx.fsdp2_wrap(model)
@@ -120,10 +128,11 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("world,writers", [(2, "all"), (3, "dst")])
-def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path):
-    base = str(tmp_path)
+def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, ram_path):
+    # With every rank writing, also into a RAM filesystem, where the files are mapped.
+    base, ram = str(tmp_path), os.path.join(ram_path, "q") if writers == "all" else None
     assert_all_ok(run_ranks(_modelopt_exports, 1, base, CASES, init=False, timeout=300))
-    results = assert_all_ok(run_ranks(_export_shards, world, base, CASES, writers,
+    results = assert_all_ok(run_ranks(_export_shards, world, base, CASES, writers, ram,
                                       timeout=300))
     for family, fmt in CASES:
         ref_dir, our_dir = (os.path.join(base, k, family, fmt) for k in ("ref", "ours"))
@@ -131,6 +140,10 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path):
         assert sorted(ours) == sorted(ref), (fmt, sorted(set(ours) ^ set(ref)))
         differ = [k for k in ref if not _same_bytes(ref[k], ours[k])]
         assert not differ, (fmt, differ)
+        if ram is not None:
+            mapped = hf_models.read_checkpoint(os.path.join(base, "mapped", family, fmt))
+            assert sorted(mapped) == sorted(ref), (fmt, "mapped")
+            assert all(_same_bytes(ref[k], mapped[k]) for k in ref), (fmt, "mapped")
         # The quantized weights are there (not the high-precision ones) in every format.
         down = "model.layers.0.mlp." + ("down_proj" if family == "llama" else "experts.3.down_proj")
         if fmt.endswith("experts-off"):

@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -402,11 +403,12 @@ def test_a_writers_own_chunks_are_cut_where_the_file_is_aligned(base):
     assert base % 4096 == 0 or len(more) > len(edges) + 10
 
 
-def _random_layouts(base, seed):
+def _random_layouts(base, seed, ram):
     """A seeded mix of layouts in one checkpoint (1-D or 2-D meshes, Shard(0/1/2) and
     Replicate in any combination, plain tensors, uneven and empty shards, eight dtypes, a
-    random file size and chunk size), written with both writers; rank 0 saves torch's own
-    ``full_tensor()`` of each key beside them."""
+    random file size and chunk size), written with both writers, and by every rank into
+    ``ram`` (a RAM filesystem: the files mapped, nothing over the link; moved beside the
+    others as "ram"); rank 0 saves torch's own ``full_tensor()`` of each key beside them."""
     import random
 
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
@@ -442,21 +444,30 @@ def _random_layouts(base, seed):
     for writers in ("all", "dst"):
         dx.export_hf_checkpoint(state, os.path.join(base, writers), writers=writers,
                                 max_shard_size=max_shard_size, chunk_bytes=chunk)
+    mapped = os.path.join(ram, "ram")
+    sent = _counting_sends(lambda: dx.export_hf_checkpoint(
+        state, mapped, writers="all", max_shard_size=max_shard_size, chunk_bytes=chunk))
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     if dist.get_rank() == 0:
         torch.save(full, os.path.join(base, "full_tensors.pt"))
-    return dims, max_shard_size, chunk
+        shutil.move(mapped, os.path.join(base, "ram"))
+    return dims, max_shard_size, chunk, sent
 
 
 @pytest.mark.parametrize("world, seed", [(2, 3), (3, 1), (4, 7), (4, 8)])
 def test_random_layouts_are_written_as_full_tensor_holds_them_by_either_writers(world, seed,
-                                                                              tmp_path):
-    values = assert_all_ok(run_ranks(_random_layouts, world, str(tmp_path), seed, timeout=240))
+                                                                              tmp_path, ram_path):
+    values = assert_all_ok(run_ranks(_random_layouts, world, str(tmp_path), seed, ram_path,
+                                     timeout=240))
     names = sorted(os.listdir(tmp_path / "dst"))
     assert names == sorted(os.listdir(tmp_path / "all")), values[0]
+    assert names == sorted(os.listdir(tmp_path / "ram")), values[0]
     for name in names:
-        assert (tmp_path / "all" / name).read_bytes() == (tmp_path / "dst" / name).read_bytes(), \
-            (name, values[0])
+        want = (tmp_path / "dst" / name).read_bytes()
+        assert (tmp_path / "all" / name).read_bytes() == want, (name, values[0])
+        assert (tmp_path / "ram" / name).read_bytes() == want, ("mapped", name, values[0])
+    # Every rank wrote every byte it holds into the mapped files: none crossed the link.
+    assert [v[3] for v in values] == [0] * world, values
     want = torch.load(tmp_path / "full_tensors.pt")
     got = read_checkpoint(tmp_path / "all")
     assert sorted(got) == sorted(want)

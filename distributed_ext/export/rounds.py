@@ -215,10 +215,10 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                 parts["prepared"] = _prepare_transfer(state, entries, ctx, dst_rank, chunk)
 
         agreed("preparing", prepare)
-        mode = "dst"
+        mode, mapped = "dst", False
         if writers != "dst":
             try:
-                mode, stage = resolve_writers(
+                mode, stage, mapped = resolve_writers(
                     writers, None if parts["sink"] is None else parts["sink"].stage.path, ctx,
                     dst_rank, group, what, dict(extra_args).get("directory"))
             except BaseException:
@@ -237,7 +237,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
                     entries = plan(described, model, dst_rank, ctx.ranks, keep)
                 parts["prepared"] = _prepare_transfer(
                     state, entries, ctx, dst_rank, chunk, local=mode == "all",
-                    layout=joined_layout)
+                    layout=joined_layout, mapped=mapped)
                 if mode == "all":
                     parts["prepared"].stop = StopSignal(stage, ctx.size, deferred)
                 edges = parts["prepared"].edges

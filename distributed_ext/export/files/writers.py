@@ -51,11 +51,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distributed_ext import _agree
+from distributed_ext import _agree, _direct_io
 from distributed_ext.collectives import broadcast_from
 
 WRITERS = ("auto", "all", "dst")
 PROBE_NAME = ".dext-probe"
+# With every rank writing into a RAM filesystem (tmpfs, ramfs: every rank sees it as one),
+# each writes every byte it holds, short runs and shared blocks included, through a shared
+# mapping of the files (:meth:`~distributed_ext._direct_io.DirectFile.write_mapped`): no
+# bytes cross the link at all. What it saves, against the blocks' and regions' exchange
+# below: world 4, torch's FSDP x TP recipe, 1 GiB, /dev/shm (benchmarks/RESULTS.md).
+MAP_RAM_FILES = True
 
 
 def check_writers(writers: Any, what: str) -> str:
@@ -77,9 +83,11 @@ def _sees(stage: str, token: str) -> bool:
 
 def resolve_writers(writers: str, stage: str | None, ctx: _agree.GroupContext, dst_rank: int,
                     group: dist.ProcessGroup | None, what: str, directory: Any
-                    ) -> tuple[str, str]:
-    """``("all" | "dst", dst's stage path)``, the same on every rank (a broadcast of dst's
-    stage and probe token, then one status round of who sees it).
+                    ) -> tuple[str, str, bool]:
+    """``("all" | "dst", dst's stage path, mapped)``, the same on every rank (a broadcast of
+    dst's stage and probe token, then one status round of who sees it and on what).
+    ``mapped``: every rank writes the files through a shared mapping (:data:`MAP_RAM_FILES`:
+    "all", and every rank found the stage on a RAM filesystem).
 
     ``stage``: dst's stage directory (None elsewhere). Raises ValueError on every rank when
     ``writers == "all"`` and some rank does not see it.
@@ -96,19 +104,21 @@ def resolve_writers(writers: str, stage: str | None, ctx: _agree.GroupContext, d
     where, token = broadcast_from(f"{what}: stage", probe, dst_global, group)
     try:
         # One status round: each rank's answer travels in its record's fields.
-        seen = [bool(s.fields[0]) for s in _agree.agree(
-            what, ctx, lambda: (int(_sees(where, token)),), stage="who sees the directory")]
+        answers = [s.fields for s in _agree.agree(
+            what, ctx, lambda: (int(_sees(where, token)),
+                                int(_direct_io.on_ram_filesystem(os.path.join(where, "x")))),
+            stage="who sees the directory")]
     finally:
         if stage is not None:  # never published with the checkpoint
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(stage, PROBE_NAME))
-    blind = [ctx.ranks[r] for r, ok in enumerate(seen) if not ok]
+    blind = [ctx.ranks[r] for r, fields in enumerate(answers) if not fields[0]]
     if not blind:
-        return "all", where
+        return "all", where, MAP_RAM_FILES and all(fields[1] for fields in answers)
     if writers == "all":
         raise ValueError(
             f"{what}: writers='all', but rank(s) {blind} do not see directory={directory!r} "
             f"as dst (rank {dst_global}) does (another filesystem or mount under that path); "
             "pass writers='dst' (dst writes every byte) or a directory on a filesystem every "
             "rank shares")
-    return "dst", where
+    return "dst", where, False

@@ -106,7 +106,8 @@ def _sort_pieces(entries: list[Entry], me: int, to_dst: list[tuple[Entry, Any]],
 def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
                       ctx: _agree.GroupContext | None, dst_rank: int,
                       chunk: int, local: bool = False,
-                      layout: Callable[[], Any] | None = None) -> _Prepared:
+                      layout: Callable[[], Any] | None = None, mapped: bool = False
+                      ) -> _Prepared:
     """Plans this rank's messages and allocates every buffer the transfer needs (raising
     here, in the round that agrees the ranks are ready, rather than mid-stream): dst two
     receive chunks per sender and its own pieces' slots, a sender its staging slots.
@@ -121,7 +122,11 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     (their fragments: :func:`edge_table`) go to each block's owner, the holder of most of
     its bytes (:attr:`_Prepared.edges`: each rank's own table; the owners are planned in
     the next round, :mod:`transport.shared_blocks`), so that each block of the files has exactly one writer.
-    ``layout()``: the files (a sink: each entry's file and offset)."""
+    ``layout()``: the files (a sink: each entry's file and offset). ``mapped`` (with
+    ``local``; the files on a RAM filesystem, :func:`~files.writers.resolve_writers`):
+    every rank writes every piece it holds, whole, through a shared mapping of the files
+    (:meth:`~files.sinks.FileSink.write_middles`): nothing travels to dst, no block has an
+    owner, no region an assembler."""
     me = 0 if ctx is None else ctx.rank
     link = torch.device("cpu") if ctx is None else ctx.device
     on_device = link.type == "cuda"  # NCCL: what crosses the link is device memory
@@ -137,6 +142,14 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         else:
             streams = [[] for _ in range(world)]
             streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
+    elif mapped:
+        assert layout is not None, "writers='all' needs the files' layout"
+        files = layout()
+        files.mapped = True
+        own_chunk = -(-chunk // _direct_io.ALIGN) * _direct_io.ALIGN
+        local_messages = plan_messages(((e, p) for e, p in pairs if p.rank == me), own_chunk,
+                                       files.bases)
+        streams = [[] for _ in range(world)]
     else:
         to_dst: list[tuple[Entry, Any]] = []  # short pieces, dst's own included
         written: list[tuple[Entry, Any]] = []  # this rank's long ones, written here
