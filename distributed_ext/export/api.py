@@ -127,7 +127,13 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     by the rank sending most of its bytes (TP ranks of equal columns in turn), which
     assembles it whole -- its own rows and those the others send it -- and writes it once;
     the partial blocks at the tensor's ends and other short runs (small tensors) go to dst,
-    which assembles them likewise. Same files, byte for byte, either way.
+    which assembles them likewise. On a RAM filesystem (tmpfs, /dev/shm: every rank then
+    on one host) nothing of that travels: every rank copies every byte it holds, short runs
+    and shared blocks included, into a shared mapping of the files (its pages are the
+    files' storage, so the ranks fill one file at once instead of taking turns on its lock,
+    and a 2 KiB TP row costs a copy, not a message); measured, torch's FSDP x TP recipe,
+    1 GiB at world 4 on /dev/shm: ``benchmarks/RESULTS.md``. Same files, byte for byte,
+    every way.
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two
@@ -151,7 +157,10 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     1 MiB regions it owns being assembled (TP rows: a region completes as its rows arrive,
     in file order), and 40 bytes per fragment (a run's end: at most two per run) of its
     table, plus while the owners are planned ~200 bytes per fragment dealt to it (~1/W of
-    the world's).
+    the world's). Mapped (a RAM filesystem, every rank writing): none of the exchange's
+    buffers; a rank's resident memory counts the file pages one message's rows touch while
+    it copies them (rows of 2 KiB of a TP layout: twice the message's bytes), unmapped
+    before the next.
 
     Cost: by bytes, not tensor count. Pieces under 1 MiB are packed into shared messages by
     the compiled core and written by dst in one native call per file and message; the

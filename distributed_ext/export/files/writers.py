@@ -40,6 +40,13 @@ against 1.49 / 1.23 s -- the filesystem being the bound (two processes writing h
 tmpfs file are not faster than one: the kernel takes the file's lock for each write) --
 while dst holds 22 MiB instead of 48-112 MiB and under 320 KiB a rank crosses the link.
 Across hosts "all" is the one that scales (``benchmarks/RESULTS.md``).
+
+On a RAM filesystem (tmpfs, ramfs; every rank finds the stage on one, agreed in the same
+status round) none of the above travels: each rank copies every byte it holds into a shared
+mapping of the files (:data:`MAP_RAM_FILES`; ``DirectFile.write_mapped``). There the page
+cache is the storage, so two ranks filling one page is two copies into the same memory, not
+two writes racing for a disk block; and where ``pwrite`` makes the ranks take turns on the
+file's lock, mapped copies run side by side.
 """
 
 from __future__ import annotations
