@@ -9,6 +9,7 @@ import os
 import threading
 from typing import Any
 
+from distributed_ext import _direct_io
 from distributed_ext.bench.sizes import format_size
 
 # -- memory and disk -------------------------------------------------------------------------
@@ -150,7 +151,9 @@ class RankIO:
     """What this rank wrote and sent during the block: ``sent``, the bytes it passed to
     ``torch.distributed.isend`` (every send of an export); ``written``, the bytes of its
     write calls (``wchar`` of /proc/self/io, which counts a socket's writes too) less
-    ``sent``: the bytes it wrote to files."""
+    ``sent``: the bytes it wrote to files, and those it copied into mapped files (a RAM
+    filesystem: :func:`distributed_ext._direct_io.mapped_bytes`), which no write call
+    counts."""
 
     def __enter__(self) -> RankIO:
         import torch.distributed as dist
@@ -164,6 +167,7 @@ class RankIO:
 
         dist.isend = counting
         self._start = self._wchar()
+        self._mapped = _direct_io.mapped_bytes()
         return self
 
     @staticmethod
@@ -178,7 +182,8 @@ class RankIO:
         import torch.distributed as dist
 
         dist.isend = self._real
-        self.written = max(0, self._wchar() - self._start - self.sent)
+        self.written = max(0, self._wchar() - self._start - self.sent) + \
+            _direct_io.mapped_bytes() - self._mapped
 
 
 def _filesystem(path: str) -> str:
