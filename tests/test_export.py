@@ -707,3 +707,15 @@ def test_a_rank_killed_mid_export_is_named_by_every_survivor_within_10_s(victim,
     if victim != 0 or writers != "dst":  # no stage left: with every rank writing, the
         # survivors see dst's stage and remove it when dst died (dst's own, else)
         assert not names and not [n for n in os.listdir(tmp_path) if "dext" in n], names
+
+
+def test_mapped_tp_rows_hold_one_messages_pages_on_every_rank(ram_path):
+    # On a RAM filesystem every rank copies its own rows into a mapping of the file, one
+    # message's span at a time (unmapped before the next): its resident memory counts those
+    # pages while it copies (16 MiB messages of 2 KiB rows: 32 MiB of pages), never its
+    # 128 MiB share of the file.
+    out = os.path.join(ram_path, "tp")
+    values = assert_all_ok(run_ranks(_peak_during_tp_export, 2, out, timeout=120))
+    assert max(values) < 48 * 2**20, [v / 2**20 for v in values]
+    got = read_checkpoint(out)
+    assert all(torch.equal(got[f"w{i}"], torch.full((8192, 1024), float(i))) for i in range(8))
