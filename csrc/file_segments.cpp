@@ -20,12 +20,21 @@
 
 namespace distributed_ext {
 
-int64_t pwrite_segments(int64_t fd, const at::Tensor& table) {
+namespace {
+
+// A (src_ptr, file_offset, nbytes) table and a descriptor, checked before any byte moves.
+void check_file_table(int64_t fd, const at::Tensor& table, const char* op) {
   TORCH_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong &&
                         table.dim() == 2 && table.size(1) == 3 && table.is_contiguous(),
-                    "pwrite_segments: the table must be a contiguous CPU int64 tensor of shape "
-                    "[n, 3], got ", table.scalar_type(), " ", table.sizes());
-  TORCH_CHECK_VALUE(fd >= 0, "pwrite_segments: fd must be an open descriptor, got ", fd);
+                    op, ": the table must be a contiguous CPU int64 tensor of shape [n, 3], "
+                    "got ", table.scalar_type(), " ", table.sizes());
+  TORCH_CHECK_VALUE(fd >= 0, op, ": fd must be an open descriptor, got ", fd);
+}
+
+}  // namespace
+
+int64_t pwrite_segments(int64_t fd, const at::Tensor& table) {
+  check_file_table(fd, table, "pwrite_segments");
   const int64_t n = table.size(0);
   const int64_t* rows = table.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
@@ -56,11 +65,7 @@ int64_t pwrite_segments(int64_t fd, const at::Tensor& table) {
 }
 
 int64_t map_write_segments(int64_t fd, const at::Tensor& table, int64_t file_size) {
-  TORCH_CHECK_VALUE(table.device().is_cpu() && table.scalar_type() == at::kLong &&
-                        table.dim() == 2 && table.size(1) == 3 && table.is_contiguous(),
-                    "map_write_segments: the table must be a contiguous CPU int64 tensor of "
-                    "shape [n, 3], got ", table.scalar_type(), " ", table.sizes());
-  TORCH_CHECK_VALUE(fd >= 0, "map_write_segments: fd must be an open descriptor, got ", fd);
+  check_file_table(fd, table, "map_write_segments");
   const int64_t n = table.size(0);
   if (n == 0) return 0;
   const int64_t* rows = table.data_ptr<int64_t>();

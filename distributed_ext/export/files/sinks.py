@@ -213,23 +213,21 @@ class FileSink:
         if bool(((at < 0) | (at + n > data.numel())).any()):
             raise ValueError(f"a message's rows reach past its {data.numel()} bytes")
         # data is held by the caller until this returns
-        table = torch.stack((at + data.data_ptr(), offset, n), 1)
-        first, last = int(fid.min()), int(fid.max())
-        for number in [first] if first == last else torch.unique(fid).tolist():
-            file = self.files[number]
-            self._written.add(file)
-            with self._opened(file):
-                file.write_mapped(table if first == last else table[fid == number])
+        self._write_segments(fid, torch.stack((at + data.data_ptr(), offset, n), 1),
+                             mapped=True)
 
-    def _write_segments(self, fid: torch.Tensor, table: torch.Tensor) -> None:
+    def _write_segments(self, fid: torch.Tensor, table: torch.Tensor,
+                        mapped: bool = False) -> None:
         """Writes a table of ``(src_ptr, file offset, nbytes)`` rows (``fid``: each row's
-        file number) through the page cache, one native call per file."""
+        file number) through the page cache, or ``mapped`` into a shared mapping of each
+        file, one native call per file."""
         first, last = int(fid.min()), int(fid.max())
         for number in [first] if first == last else torch.unique(fid).tolist():
             file = self.files[number]
             self._written.add(file)
+            write = file.write_mapped if mapped else file.write_segments
             with self._opened(file):
-                file.write_segments(table if first == last else table[fid == number])
+                write(table if first == last else table[fid == number])
 
     def write_edges(self, data: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes the bytes of the blocks this rank owns that several runs share (rows of
