@@ -137,7 +137,7 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
 
     Memory: dst never holds the model. Each file's header is computed from the metadata the
     ranks exchange, and bytes are written to their place as they arrive: dst holds two
-    transport chunks per sender (``chunk_bytes``, default 16 MiB), an 8 MiB bounce buffer
+    transport chunks per sender (``chunk_bytes``, default 16 MiB), a 16 MiB bounce buffer
     for direct writes per writing thread (two; each with a helper thread that writes), three
     1 MiB slots where its own small tensors are packed, up to 64 MiB of 1 MiB file regions
     being assembled from short runs (small tensors, the rows of a ``Shard(1)``/TP layout),
@@ -150,7 +150,7 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     most one contiguous copy of one piece at a time where a piece is not contiguous in its
     shard (a transposed or column block), on the piece's own device. With ``writers="all"``
     a sender also holds, for the pieces it writes itself, three host slots (pinned for GPU
-    bytes: one) and an 8 MiB bounce buffer for direct writes; dst as above; and every rank,
+    bytes: one) and a 16 MiB bounce buffer for direct writes; dst as above; and every rank,
     for the blocks its runs share and the TP rows' regions, one message of up to 4 MiB per
     rank it sends to and two per rank it receives from (a few: its neighbours in the files,
     its TP group) and three 4 MiB slots where its own are packed, up to 64 MiB of the
