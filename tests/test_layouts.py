@@ -6,8 +6,9 @@ and without SequenceParallel norms), on real gloo ranks at world 2, 3 and 4.
 
 Each is compared tensor by tensor (keys, dtypes, shapes, bytes) and by config.json with the
 files single-process ``save_pretrained`` writes for the same weights, written by both
-writers; the export loads with ``from_pretrained`` to the logits of the reference. Most of
-these layouts carry ``_StridedShard`` (FSDP over colwise weights, a packed colwise
+writers and by every rank into a RAM filesystem (the files mapped, nothing sent); the
+export loads with ``from_pretrained`` to the logits of the reference. Most of these layouts
+carry ``_StridedShard`` (FSDP over colwise weights, a packed colwise
 ``gate_up_proj``, experts under EP then FSDP) and DTensors on sub-meshes.
 """
 
@@ -54,7 +55,7 @@ def _placements(model) -> set[str]:
             if hasattr(p, "placements")}
 
 
-def _export_both(model, out: str, ram: str) -> None:
+def _export_every_way(model, out: str, ram: str) -> None:
     """Both writers into ``out``; every rank writing into ``ram`` too (a RAM filesystem:
     the files mapped, no byte over the link), moved to ``out``/ram for the comparison."""
     for writers in ("all", "dst"):
@@ -75,7 +76,7 @@ def _load_and_export(src: str, out: str, ram: str, cases: list):
     for label, family, kwargs in cases:
         model = AutoModelForCausalLM.from_pretrained(
             os.path.join(src, family), distributed_config=DistributedConfig(**kwargs))
-        _export_both(model, os.path.join(out, label), os.path.join(ram, label))
+        _export_every_way(model, os.path.join(out, label), os.path.join(ram, label))
         hub = dx.gather_full_state(model, hub_keys=True)
         seen[label] = (_placements(model), hub)
         del model
@@ -123,7 +124,7 @@ def _torch_2d(out: str, ram: str, sequence_parallel: bool):
         parallelize_module(layer, mesh["tp"], plan)
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    _export_both(model, out, os.path.join(ram, "2d"))
+    _export_every_way(model, out, os.path.join(ram, "2d"))
     hub = dx.gather_full_state(model, hub_keys=True)
     return (_placements(model), hub) if dist.get_rank() == 0 else None
 
