@@ -211,11 +211,10 @@ class DirectFile:
 
         if self.map_fd < 0:
             self.map_fd = os.open(self.path, os.O_RDWR)
-        _native.map_write_segments(self.map_fd, segments, self.size)
-        table = segments if isinstance(segments, torch.Tensor) else \
-            torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
+        table = _native._table(segments)  # (made once: written, then counted)
+        _native.map_write_segments(self.map_fd, table, self.size)
         with _MAPPED_LOCK:
-            _MAPPED_BYTES[0] += int(table[:, 2].sum()) if len(table) else 0
+            _MAPPED_BYTES[0] += int(table[:, 2].sum())
 
     def _write_direct(self, offset: int, data: torch.Tensor) -> None:
         assert self.direct_fd is not None

@@ -142,23 +142,7 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         else:
             streams = [[] for _ in range(world)]
             streams[me] = plan_messages(((e, p) for e, p in pairs if p.rank == me), chunk)
-    elif mapped:
-        assert layout is not None, "writers='all' needs the files' layout"
-        files = layout()
-        files.mapped = True
-        own_chunk = -(-chunk // _direct_io.ALIGN) * _direct_io.ALIGN
-        local_messages = plan_messages(((e, p) for e, p in pairs if p.rank == me), own_chunk,
-                                       files.bases)
-        streams = [[] for _ in range(world)]
     else:
-        to_dst: list[tuple[Entry, Any]] = []  # short pieces, dst's own included
-        written: list[tuple[Entry, Any]] = []  # this rank's long ones, written here
-        if me == dst_rank:
-            _sort_pieces(entries, me, to_dst, written)
-        else:
-            for e, p in pairs:
-                if p.rank == me and not e.zoned:
-                    (to_dst if _short(e, p) else written).append((e, p))
         assert layout is not None, "writers='all' needs the files' layout"
         # The pieces a rank writes itself never cross the link: cut in whole blocks (a
         # chunk_bytes under 4 KiB or not a multiple of it would share a block between two
@@ -167,17 +151,31 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
         # Every rank opens the files (joins dst's stage), whatever it holds: it may plan
         # the owners of others' shared blocks (:func:`transport.shared_blocks.resolve_owners`).
         files = layout()
-        local_messages = plan_messages(written, own_chunk, files.bases)
-        fragments, rows = edge_table(local_messages, files.bases, _direct_io.ALIGN)
-        edge_plan = _edges.plan_edges(fragments, files, world, rows)
-        # The rows of TP layouts: each region by the holder of most of its bytes.
-        edge_plan.zones = _zones.plan_zones(entries, files.bases, me, dst_rank,
-                                            _direct_io.ALIGN, REGION_BYTES)
-        if me == dst_rank:  # each sender's stream: its short pieces
-            streams = plan_streams(to_dst, chunk, world)
-        else:
+        files.mapped = mapped
+        if mapped:  # every piece by its holder: nothing to dst, no edges, no zones
+            local_messages = plan_messages(((e, p) for e, p in pairs if p.rank == me),
+                                           own_chunk, files.bases)
             streams = [[] for _ in range(world)]
-            streams[me] = plan_messages(to_dst, chunk)
+        else:
+            to_dst: list[tuple[Entry, Any]] = []  # short pieces, dst's own included
+            written: list[tuple[Entry, Any]] = []  # this rank's long ones, written here
+            if me == dst_rank:
+                _sort_pieces(entries, me, to_dst, written)
+            else:
+                for e, p in pairs:
+                    if p.rank == me and not e.zoned:
+                        (to_dst if _short(e, p) else written).append((e, p))
+            local_messages = plan_messages(written, own_chunk, files.bases)
+            fragments, rows = edge_table(local_messages, files.bases, _direct_io.ALIGN)
+            edge_plan = _edges.plan_edges(fragments, files, world, rows)
+            # The rows of TP layouts: each region by the holder of most of its bytes.
+            edge_plan.zones = _zones.plan_zones(entries, files.bases, me, dst_rank,
+                                                _direct_io.ALIGN, REGION_BYTES)
+            if me == dst_rank:  # each sender's stream: its short pieces
+                streams = plan_streams(to_dst, chunk, world)
+            else:
+                streams = [[] for _ in range(world)]
+                streams[me] = plan_messages(to_dst, chunk)
     messages = streams[me]
     # dst writes its own pieces' middles beside its short ones, while it receives.
     gpu_shards = _needs_pinned(state, messages + (local_messages if me == dst_rank else []))
