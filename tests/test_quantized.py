@@ -127,15 +127,25 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
+@pytest.fixture(scope="module")
+def modelopt_refs(tmp_path_factory) -> str:
+    """ModelOpt's own one-process exports of every case (and ours with no group), made once
+    for the module: the reference files are the same whatever the world of the test."""
+    base = str(tmp_path_factory.mktemp("modelopt-refs"))
+    assert_all_ok(run_ranks(_modelopt_exports, 1, base, CASES, init=False, timeout=300))
+    return base
+
+
 @pytest.mark.parametrize("world,writers", [(2, "all"), (3, "dst")])
-def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, ram_path):
+def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, ram_path,
+                                                      modelopt_refs):
     # With every rank writing, also into a RAM filesystem, where the files are mapped.
     base, ram = str(tmp_path), os.path.join(ram_path, "q") if writers == "all" else None
-    assert_all_ok(run_ranks(_modelopt_exports, 1, base, CASES, init=False, timeout=300))
     results = assert_all_ok(run_ranks(_export_shards, world, base, CASES, writers, ram,
                                       timeout=300))
     for family, fmt in CASES:
-        ref_dir, our_dir = (os.path.join(base, k, family, fmt) for k in ("ref", "ours"))
+        ref_dir = os.path.join(modelopt_refs, "ref", family, fmt)
+        our_dir = os.path.join(base, "ours", family, fmt)
         ref, ours = hf_models.read_checkpoint(ref_dir), hf_models.read_checkpoint(our_dir)
         assert sorted(ours) == sorted(ref), (fmt, sorted(set(ours) ^ set(ref)))
         differ = [k for k in ref if not _same_bytes(ref[k], ours[k])]
@@ -155,8 +165,8 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, r
         for name in ("hf_quant_config.json", "config.json"):
             with open(os.path.join(ref_dir, name)) as f, open(os.path.join(our_dir, name)) as g:
                 assert json.load(g) == json.load(f), (fmt, name)
-    alone = hf_models.read_checkpoint(os.path.join(base, "alone"))
-    ref = hf_models.read_checkpoint(os.path.join(base, "ref", *CASES[0]))
+    alone = hf_models.read_checkpoint(os.path.join(modelopt_refs, "alone"))
+    ref = hf_models.read_checkpoint(os.path.join(modelopt_refs, "ref", *CASES[0]))
     assert sorted(alone) == sorted(ref) and all(_same_bytes(ref[k], alone[k]) for k in ref)
     if world == 2:
         for differ in (r["differ"] for r in results):
