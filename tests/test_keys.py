@@ -92,3 +92,41 @@ def test_an_operation_that_is_not_a_view_is_recorded_on_its_key():
 def test_box_of_reads_a_view_as_a_box(make, expected):
     base = torch.empty((4, 6, 5), device="meta")
     assert _keys.box_of(make(base), (4, 6, 5)) == expected
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_whether_a_model_converts_is_transformers_own_answer(family, monkeypatch):
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    model = build(family)
+    own = any(not isinstance(c, PrefixChange)
+              for c in conversion_mapping.get_model_conversion_mapping(model, add_legacy=False))
+    assert _keys.has_conversions(model) == own
+    if not own:  # answered without building transformers' table (0.07-0.1 s a process)
+        def refused(*args, **kwargs):
+            raise AssertionError("the table was built")
+
+        monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", refused)
+        assert _keys.has_conversions(model) is False
+
+
+def test_every_key_of_transformers_conversion_table_is_quoted_in_its_source():
+    # What the quick answer rests on: a name the source never quotes is no key of the table.
+    from transformers import conversion_mapping
+
+    source = _keys._conversion_source(conversion_mapping.__file__)
+    assert source is not None
+    table = conversion_mapping._build_checkpoint_conversion_mapping()
+    assert len(table) > 50
+    missing = [k for k in table if f'"{k}"' not in source and f"'{k}'" not in source]
+    assert not missing, missing
+
+
+def test_a_user_registered_name_takes_transformers_table(monkeypatch):
+    from transformers import conversion_mapping
+
+    model = build("llama")
+    monkeypatch.setattr(conversion_mapping, "USER_REGISTERED_MAPPINGS",
+                        set(conversion_mapping.USER_REGISTERED_MAPPINGS) | {"llama"})
+    assert _keys._may_convert(model) is True

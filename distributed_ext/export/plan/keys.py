@@ -280,8 +280,54 @@ def has_conversions(model: Any) -> bool:
         return False
     if getattr(model, "_weight_conversions", None) is not None:
         return bool(model._weight_conversions)
+    if not _may_convert(model):
+        return False
     try:
         conversions = get_model_conversion_mapping(model, add_legacy=False)
     except Exception:  # noqa: BLE001 - a model transformers does not know: its own keys
         return False
     return any(not isinstance(c, PrefixChange) for c in conversions)
+
+
+def _may_convert(model: Any) -> bool:
+    """False only where transformers' table of conversions cannot hold ``model``: no
+    ``PreTrainedModel`` inside it has a class name or ``model_type`` that the table's source
+    file names in quotes (every key of the table is such a literal there) or that a user
+    registered. The table itself, 900 regular expressions, costs 0.07-0.1 s to build once
+    per process, on the critical path of a fresh rank's first export (every peer waits on
+    dst's answer); a Llama, a Qwen2 or a Mistral is not in it. Where the source cannot be
+    read, or names the model, the table decides (:func:`has_conversions`)."""
+    try:
+        from transformers import PreTrainedModel, conversion_mapping
+    except ImportError:
+        return True
+    source = _conversion_source(getattr(conversion_mapping, "__file__", None))
+    if source is None:
+        return True
+    registered = getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", None) or ()
+    for module in model.modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        for name in (type(module).__name__, getattr(module.config, "model_type", None)):
+            if name is None or name in registered:
+                return True
+            if f'"{name}"' in source or f"'{name}'" in source:
+                return True
+    return False
+
+
+_SOURCES: dict[str, str | None] = {}
+
+
+def _conversion_source(path: str | None) -> str | None:
+    """The text of transformers' conversion table's module (read once per process), or
+    None where there is no readable source file."""
+    if path is None or not path.endswith(".py"):
+        return None
+    if path not in _SOURCES:
+        try:
+            with open(path, encoding="utf-8") as f:
+                _SOURCES[path] = f.read()
+        except OSError:
+            _SOURCES[path] = None
+    return _SOURCES[path]
