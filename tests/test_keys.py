@@ -103,7 +103,7 @@ def test_whether_a_model_converts_is_transformers_own_answer(family, monkeypatch
     own = any(not isinstance(c, PrefixChange)
               for c in conversion_mapping.get_model_conversion_mapping(model, add_legacy=False))
     assert _keys.has_conversions(model) == own
-    if not own:  # answered without building transformers' table (0.07-0.1 s a process)
+    if not own:  # answered without building transformers' table (0.07-0.2 s a process)
         def refused(*args, **kwargs):
             raise AssertionError("the table was built")
 

@@ -170,8 +170,8 @@ def _stopped_and_blocked_ranks(world, port, pause_s, block_s):
 def test_a_stopped_rank_and_a_rank_blocked_in_the_store_are_waited_for_not_named_dead():
     from harness import free_port
 
-    # (8 s: five times past the grace and the gone limit (1 + 1.5 s); the watch checks
-    # them throughout)
+    # (8 s: three times the grace and the gone limit together (1 + 1.5 s); the watch
+    # checks them throughout)
     pause_s, block_s = 8, 5
     results = run_ranks(_stopped_and_blocked_ranks, 3, 3, free_port(), pause_s, block_s,
                         init=False, timeout=240, rank_env={r: {"RANK": str(r)} for r in range(3)})

@@ -293,7 +293,7 @@ def _may_convert(model: Any) -> bool:
     """False only where transformers' table of conversions cannot hold ``model``: no
     ``PreTrainedModel`` inside it has a class name or ``model_type`` that the table's source
     file names in quotes (every key of the table is such a literal there) or that a user
-    registered. The table itself, 900 regular expressions, costs 0.07-0.1 s to build once
+    registered. The table itself, 900 regular expressions, costs 0.07-0.2 s to build once
     per process, on the critical path of a fresh rank's first export (every peer waits on
     dst's answer); a Llama, a Qwen2 or a Mistral is not in it. Where the source cannot be
     read, or names the model, the table decides (:func:`has_conversions`)."""
