@@ -20,6 +20,7 @@ naming the key and the operation (the way out: ``gather_full_state`` then
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -316,18 +317,14 @@ def _may_convert(model: Any) -> bool:
     return False
 
 
-_SOURCES: dict[str, str | None] = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _conversion_source(path: str | None) -> str | None:
     """The text of transformers' conversion table's module (read once per process), or
     None where there is no readable source file."""
     if path is None or not path.endswith(".py"):
         return None
-    if path not in _SOURCES:
-        try:
-            with open(path, encoding="utf-8") as f:
-                _SOURCES[path] = f.read()
-        except OSError:
-            _SOURCES[path] = None
-    return _SOURCES[path]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
