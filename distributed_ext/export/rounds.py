@@ -151,7 +151,12 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         if quantize and hub_keys and isinstance(model_or_state, nn.Module):
             inner = unwrap(model_or_state)
             if _shared_inputs.needs_gather(inner):
-                _shared_inputs.fuse_shared_inputs(inner)
+                resmooth = _shared_inputs.Resmooth(inner)
+                pieces = resmooth.pieces()
+                if pieces is not None:
+                    resmooth.apply([pieces])
+                else:
+                    _shared_inputs.fuse_shared_inputs(inner)
         held: dict[str, Any] = {}
         describe(held)
         state, model = held["local"], held["model"]
@@ -275,8 +280,11 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     """ModelOpt's fusing of the shared-input layers of a model quantized with pre-quant scales
     (AWQ, SmoothQuant), which rescales their weights (:func:`plan.shared_inputs.needs_gather`):
     first agreed by every rank (a model quantized so on some ranks only is a ValueError on
-    every rank; one round, also for any other model), then run by every rank
-    (ModelOpt's forward and weight updates, collective under FSDP2) and its outcome agreed.
+    every rank; one round, also for any other model), then done from each rank's rows
+    (:class:`plan.shared_inputs.Resmooth`: each rank's amax pieces gathered in one agreed
+    round, then applied by every rank, its outcome agreed; no weight gathered). Where that
+    cannot be done by rows (on any rank), ModelOpt's own function runs on every rank instead
+    (its forward and weight updates, collective under FSDP2) and its outcome is agreed.
     Every other format is fused by each rank alone, in the metadata round. (ModelOpt's
     forward is the one step here whose collectives are not ours: a rank that fails inside it
     leaves its peers in that collective until the watch or the group's timeout names it.)"""
@@ -289,6 +297,13 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
         raise ValueError(f"{what}: the model has ModelOpt's pre-quant scales (AWQ, SmoothQuant) "
                          f"on some ranks but not on group ranks {ranks}; quantize it alike on "
                          "every rank")
+    resmooth = _shared_inputs.Resmooth(model)
+    pieces = all_reduce(f"{what}: the pre-quant scales of layers that share an input, from "
+                        "each rank's rows", resmooth.pieces, list, group)
+    if all(p is not None for p in pieces):
+        all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
+                   lambda: resmooth.apply(pieces), list, group)
+        return
     all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
                lambda: _shared_inputs.fuse_shared_inputs(model), list, group)
 

@@ -13,6 +13,7 @@ and ModelOpt's own ``preprocess_linear_fusion`` runs on each; where fusing resca
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from typing import Any
 
@@ -69,24 +70,18 @@ def fuse_shared_inputs(model: nn.Module) -> None:
 
         requantize_resmooth_fused_llm_layers(model)
         return
-    import re
-
     from modelopt.torch.export.quant_utils import get_quantization_format, preprocess_linear_fusion
 
-    names = {name: m for name, m in model.named_modules()
-             if isinstance(getattr(m, "weight_quantizer", None), nn.Module)
-             and not isinstance(m.weight_quantizer, nn.ModuleList)
-             and isinstance(getattr(m, "weight", None), torch.Tensor)
-             and (_enabled(m.weight_quantizer) or _enabled(getattr(m, "input_quantizer", None)))}
+    names = _quantized_linears(model)
     fused: dict[str, list[str]] = {}
-    for group in _shared_input_groups(model, set(names)):
+    for group, _norm in _shared_input_groups(model, set(names)):
         modules = [names[n] for n in group]
         if len(modules) > 1 and get_quantization_format(modules[0]) not in (
                 *_UNFUSED, "none", None):
             preprocess_linear_fusion(modules)
             fused[group[0]] = group
     # As ModelOpt: experts the forward did not reach are fused by their names' pattern.
-    expert = re.compile(r"(experts?\.)\d+")
+    expert = _EXPERT
     for first, group in fused.items():
         if not expert.search(first):
             continue
@@ -100,14 +95,277 @@ def fuse_shared_inputs(model: nn.Module) -> None:
             index += 1
 
 
+class Resmooth:
+    """ModelOpt's fusing of the layers that read one input where they carry pre-quant scales
+    (INT4 AWQ, INT8 SmoothQuant), done from the rows each rank holds: no weight gathered.
+
+    ModelOpt's ``requantize_resmooth_fused_llm_layers`` gives each group (q, k, v; gate, up)
+    the mean of its pre-quant scales, rescales each weight's columns to it
+    (``_update_pre_quant_scale``: elementwise, in float32), calibrates the weight quantizer
+    on the new weight again, unifies the input amax, and for AWQ folds the scale into the
+    layernorm before the group (``fuse_prequant_layernorm``); under FSDP2 it gathers each
+    group's weights and layernorm to do so. Every step but the layernorm's is row by row and
+    the calibration's amax is per row (group) or a maximum, so here ModelOpt's own
+    ``preprocess_linear_fusion`` runs on stand-ins that hold a rank's rows (and copies of
+    the quantizers), in two passes:
+
+    1. :meth:`pieces` (changes nothing): each weight quantizer's amax over this rank's new
+       rows, and this rank's part of each layernorm (a vector of the hidden size), to be
+       gathered by every rank (``collectives.all_reduce``, failures agreed).
+    2. :meth:`apply` (every rank, once every rank's pieces arrived): the same computation
+       again, its rows copied into the rank's shard in place, each quantizer given the
+       amax of all rows; each layernorm, whole from the pieces, folded by ModelOpt's own
+       ``fuse_prequant_layernorm`` and its rows copied back.
+
+    Where a step is not row by row or a layout not whole rows -- a MoE (ModelOpt averages over
+    experts), NVFP4-AWQ or SVDQuant, a sequential quantizer, a shard holding part of a row
+    (TP), an empty shard -- :meth:`pieces` answers None and ModelOpt's own function runs
+    instead (gathering). Peak memory, per rank: one group's rows of new weights in float32
+    (ModelOpt's arithmetic) beside the rank's amax pieces (1/64 of its quantized rows' bytes
+    at INT4 AWQ's 128-column groups) and every rank's, once gathered."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.groups: list[tuple[list[str], list[nn.Module], str | None]] = []
+
+    def pieces(self) -> dict[str, dict] | None:
+        """Pass 1 on this rank: ``{"amax": {linear: (first row, stop, amax)}, "norms":
+        {layernorm: (first, stop, weight, bias)}}``, or None where ModelOpt's own function must
+        run. The model is left as it was."""
+        from modelopt.torch.export.layer_utils import is_moe
+        from modelopt.torch.export.quant_utils import get_quantization_format
+        from modelopt.torch.quantization.nn import SequentialQuantizer
+
+        fmt = _model_format(self.model)
+        if fmt is None or "nvfp4_awq" in fmt or "svdquant" in fmt \
+                or any(is_moe(m) for m in self.model.modules()):
+            return None
+        names = _quantized_linears(self.model)
+        if any(isinstance(m.weight_quantizer, SequentialQuantizer) for m in names.values()):
+            return None
+        modules_of = dict(self.model.named_modules())
+        out: dict[str, dict] = {"amax": {}, "norms": {}}
+        self.groups = []
+        for group, norm in _shared_input_groups(self.model, set(names)):
+            modules = [names[n] for n in group]
+            group_fmt = get_quantization_format(modules[0])
+            if len(modules) < 2 or group_fmt in (*_UNFUSED, "none", None):
+                continue
+            if _EXPERT.search(group[0]):
+                return None  # (ModelOpt also fuses experts the forward missed, by name)
+            norm = norm if "awq" in group_fmt else None
+            if any(h is None or h[0].shape[0] == 0 for h in map(_rows_held, (
+                    m.weight for m in modules))):
+                return None  # (a shard of columns, strided rows, or none)
+            for stand, name, (rows, first) in self._stand_ins(group, modules):
+                amax = getattr(stand.weight_quantizer, "_amax", None)
+                real = getattr(names[name].weight_quantizer, "_amax", None)
+                total = names[name].weight.shape[0]
+                if stand.weight.data_ptr() == rows.data_ptr():
+                    # (its scale was the group's mean already: not calibrated again, its
+                    # amax is the model's, or the group's maximum of them)
+                    first, rows = 0, rows.new_empty((total, 0))
+                if not _amax_by_rows(amax, real, rows.shape[0], total):
+                    return None
+                out["amax"][name] = (first, first + rows.shape[0],
+                                     None if amax is None else amax.detach().clone())
+            if norm is not None:
+                held = _rows_held(modules_of[norm].weight)
+                bias = getattr(modules_of[norm], "bias", None)
+                held_bias = _rows_held(bias) if isinstance(bias, torch.Tensor) else None
+                if held is None or (isinstance(bias, torch.Tensor) and held_bias is None):
+                    return None
+                out["norms"][norm] = (held[1], held[1] + held[0].shape[0],
+                                      held[0].detach().clone(),
+                                      None if held_bias is None else held_bias[0].detach().clone())
+            self.groups.append((group, modules, norm))
+        return out
+
+    def _stand_ins(self, group: list[str], modules: list[nn.Module]
+                   ) -> list[tuple[nn.Module, str, tuple[torch.Tensor, int]]]:
+        """ModelOpt's ``preprocess_linear_fusion`` run on stand-ins of a group's linears
+        that hold this rank's rows and copies of their quantizers: (stand-in, name, (the
+        rank's rows in its shard, their first row's global index)) for each. ValueError
+        where a weight's shard is not whole rows (checked by :meth:`pieces` first)."""
+        from modelopt.torch.export.quant_utils import preprocess_linear_fusion
+
+        held = [_rows_held(m.weight) for m in modules]
+        if any(h is None or h[0].shape[0] == 0 for h in held):
+            raise ValueError(f"{group}: a weight's shard here is not a run of whole rows "
+                             "(Resmooth.pieces answers None for such a model)")
+        stands = []
+        for m, (rows, _first) in zip(modules, held):  # type: ignore[misc]
+            s = nn.Module()
+            s.weight = nn.Parameter(rows.detach(), requires_grad=False)  # (replaced, not changed)
+            s.weight_quantizer = _detached(m.weight_quantizer)
+            s.input_quantizer = _detached(m.input_quantizer)
+            stands.append(s)
+        preprocess_linear_fusion(stands)
+        return list(zip(stands, group, held))  # type: ignore[arg-type]
+
+    def apply(self, every: list[dict[str, dict]]) -> None:
+        """Pass 2, on every rank, with every rank's :meth:`pieces` (in rank order): the
+        model's shards and quantizers changed in place as ModelOpt's function changes them."""
+        from modelopt.torch.export.quant_utils import fuse_prequant_layernorm
+
+        modules_of = dict(self.model.named_modules())
+        for group, modules, norm in self.groups:
+            for stand, name, (rows, _first) in self._stand_ins(group, modules):
+                real = modules_of[name]
+                if stand.weight.data_ptr() != rows.data_ptr():  # (calibrated again)
+                    with torch.no_grad():
+                        rows.copy_(stand.weight)
+                iq, siq = real.input_quantizer, stand.input_quantizer
+                if getattr(siq, "_pre_quant_scale", None) is not None:
+                    iq.pre_quant_scale = siq._pre_quant_scale
+                if getattr(siq, "_amax", None) is not None:
+                    iq.amax = siq._amax
+                amax = _assemble_amax(name, [p["amax"][name] for p in every])
+                if amax is not None:
+                    real.weight_quantizer.amax = amax
+            if norm is None:
+                continue
+            layernorm = modules_of[norm]
+            parts = [p["norms"][norm] for p in every]
+            stand_norm = copy.copy(layernorm)
+            stand_norm._parameters = dict(layernorm._parameters)
+            whole = _assemble_rows(norm, [(a, b, w) for a, b, w, _ in parts])
+            stand_norm._parameters["weight"] = nn.Parameter(whole, requires_grad=False)
+            if parts[0][3] is not None:
+                stand_norm._parameters["bias"] = nn.Parameter(
+                    _assemble_rows(norm, [(a, b, t) for a, b, _, t in parts]),
+                    requires_grad=False)
+            fuse_prequant_layernorm(stand_norm, modules)  # (the real linears' scales dropped)
+            for attr in ("weight", "bias"):
+                value = getattr(layernorm, attr, None)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                rows, first = _rows_held(value)  # type: ignore[misc]
+                with torch.no_grad():
+                    rows.copy_(getattr(stand_norm, attr)[first : first + rows.shape[0]])
+
+
+_EXPERT = re.compile(r"(experts?\.)\d+")  # (ModelOpt's pattern of an expert's name)
+
+
+def _rows_held(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A tensor's rows on this rank as one run of whole rows of the global tensor: (the
+    local tensor, the global index of its first row) -- the tensor itself and 0 where it is
+    not a DTensor; None where its shard is not such a run (a shard of columns, strided
+    rows)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t.detach(), 0
+    import torch.distributed as dist
+
+    from distributed_ext.export.plan.placements import mesh_boxes, placement_code
+
+    try:
+        codes = tuple(placement_code("weight", p) for p in t.placements)
+    except ValueError:
+        return None
+    if any(c[0] == "SS" or (c[0] == "S" and c[1] != 0) for c in codes):
+        return None
+    mesh = t.device_mesh
+    local_shape, boxes = mesh_boxes(tuple(t.shape), codes, tuple(mesh.mesh.flatten().tolist()),
+                                    tuple(mesh.mesh.shape))[dist.get_rank()]
+    local = t.to_local().detach()
+    if len(boxes) != 1 or tuple(local.shape) != tuple(local_shape):
+        return None
+    return local, boxes[0][0][0] if t.dim() else 0
+
+
+def _amax_by_rows(amax: torch.Tensor | None, real: torch.Tensor | None, rows: int,
+                  total: int) -> bool:
+    """Whether a weight quantizer's amax from ``rows`` of ``total`` rows is a part of the
+    amax of all of them: per row (or per row and group: ``k`` entries a row, row-major), or
+    one maximum (then the amax of all rows is the maximum of the ranks')."""
+    if amax is None or real is None:
+        return amax is None and real is None
+    if amax.numel() == 1 and real.numel() == 1:
+        return True
+    return (amax.dim() > 0 and real.dim() > 0 and real.shape[0] % total == 0
+            and amax.shape[0] == real.shape[0] // total * rows
+            and amax.shape[1:] == real.shape[1:])
+
+
+def _assemble_amax(name: str, parts: list[tuple[int, int, torch.Tensor | None]]
+                   ) -> torch.Tensor | None:
+    """A weight quantizer's amax over all rows from the ranks' parts (:func:`_amax_by_rows`)."""
+    if parts[0][2] is None:
+        return None
+    if parts[0][2].numel() == 1 and all(t.numel() == 1 for _a, _b, t in parts):  # type: ignore
+        return torch.stack([t.reshape(()) for _a, _b, t in parts]).amax().reshape(
+            parts[0][2].shape)  # type: ignore[union-attr]
+    return _assemble_rows(name, parts)  # type: ignore[arg-type]
+
+
+def _assemble_rows(name: str, parts: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """Rows ``first .. stop`` of each part (``k`` entries a row: a part's length over its
+    rows) placed into one tensor of every row; replicated parts are the same rows again.
+    RuntimeError where the parts leave a row out (the ranks' layouts do not cover the
+    tensor)."""
+    total = max(b for _a, b, _t in parts)
+    k = next((t.shape[0] // (b - a) for a, b, t in parts if b > a), 1)
+    first = next(t for _a, _b, t in parts)
+    out = first.new_empty((total * k, *first.shape[1:]))
+    covered = torch.zeros(total, dtype=torch.bool)
+    for a, b, t in parts:
+        out[a * k : b * k] = t
+        covered[a:b] = True
+    if not bool(covered.all()):
+        raise RuntimeError(f"{name}: the ranks' rows do not cover it "
+                           f"({[(a, b) for a, b, _t in parts]} of {total})")
+    return out
+
+
+# What a ModelOpt quantizer keeps of the shape it first quantized in blocks (it refuses
+# another shape after): the stand-ins' copies forget it, as they hold a rank's rows.
+_BLOCK_SETUP = ("_original_shape", "_block_reshape_size", "_padding", "_slices",
+                "_amax_shape_for_export")
+
+
+def _detached(quantizer: nn.Module) -> nn.Module:
+    """A copy of a quantizer that ModelOpt's fusing may change (its buffers set in place,
+    its calibrator run) without changing the model's: its own buffers and calibrator, and
+    no block setup (:data:`_BLOCK_SETUP`) for the shape of the model's weight."""
+    if quantizer._modules:
+        out = copy.deepcopy(quantizer)
+    else:
+        out = copy.copy(quantizer)
+        out._buffers = {k: None if v is None else v.clone()
+                        for k, v in quantizer._buffers.items()}
+        out._parameters = dict(quantizer._parameters)
+        calibrator = getattr(quantizer, "_calibrator", None)
+        if calibrator is not None:
+            out._calibrator = copy.deepcopy(calibrator)
+    for attr in _BLOCK_SETUP:
+        out.__dict__.pop(attr, None)
+    return out
+
+
 def _enabled(quantizer: Any) -> bool:
     return quantizer is not None and bool(getattr(quantizer, "is_enabled", False))
 
 
-def _shared_input_groups(model: nn.Module, linears: set[str]) -> list[list[str]]:
+def _quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """The linears ModelOpt's fusing looks at (a weight, a quantizer enabled), by name."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(getattr(m, "weight_quantizer", None), nn.Module)
+            and not isinstance(m.weight_quantizer, nn.ModuleList)
+            and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and (_enabled(m.weight_quantizer) or _enabled(getattr(m, "input_quantizer", None)))}
+
+
+def _shared_input_groups(model: nn.Module, linears: set[str]
+                         ) -> list[tuple[list[str], str | None]]:
     """The names of ``linears`` grouped by the input tensor they take in a forward of two
     tokens of a weightless replica of ``model`` (see :func:`fuse_shared_inputs`), in the
-    order the forward reaches them."""
+    order the forward reaches them; each with the name of the layernorm whose output that
+    input is (ModelOpt's ``is_layernorm``), if it is one."""
+    from modelopt.torch.export.layer_utils import is_layernorm
+
     cls = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
     with torch.device("meta"):
         replica = cls(copy.deepcopy(model.config))
@@ -141,10 +399,22 @@ def _shared_input_groups(model: nn.Module, linears: set[str]) -> list[list[str]]
     for name, module in replica.named_modules():
         if isinstance(module, nn.Linear):
             module.forward = answer(name, module)
+    made_by: dict[int, str] = {}  # id of a layernorm's output -> the layernorm
+
+    def note(name: str) -> Any:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                keep.append(output)
+                made_by[id(output)] = name
+        return hook
+
+    for name, module in replica.named_modules():
+        if is_layernorm(module):
+            module.register_forward_hook(note(name))
     ids = torch.ones((1, 2), dtype=torch.long)
     with torch.no_grad():
         replica(ids, use_cache=False)
-    return list(seen.values())
+    return [(group, made_by.get(i)) for i, group in seen.items()]
 
 
 def sync_amax(model: nn.Module, dtype: torch.dtype) -> None:
