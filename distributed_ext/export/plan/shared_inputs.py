@@ -1,13 +1,15 @@
 """The quantizers of a ModelOpt-quantized model's layers that read one input, fused as
 ModelOpt's export fuses them before it quantizes -- without reading a weight where the fusing
-changes no weight.
+changes no weight, and from each rank's rows where it does (:class:`Resmooth`).
 
 ModelOpt's ``requantize_resmooth_fused_llm_layers`` finds the linears that take one input
 tensor (q, k, v; gate, up) with a forward of the model, which under FSDP2 gathers every
 layer's weights, then gives each group one input amax and one per-tensor weight amax
 (``preprocess_linear_fusion``). Here the groups come from a forward of a weightless replica
 and ModelOpt's own ``preprocess_linear_fusion`` runs on each; where fusing rescales weights
-(pre-quant scales: AWQ, SmoothQuant) ModelOpt's own function runs instead, on every rank.
+(pre-quant scales: AWQ, SmoothQuant) it runs on stand-ins holding each rank's rows
+(:class:`Resmooth`), or, where a step is not by row, ModelOpt's own function runs instead,
+on every rank.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ def _model_format(model: nn.Module) -> str | None:
 
 def needs_gather(model: nn.Module) -> bool:
     """Whether ModelOpt's fusing of this model's shared-input layers rescales weights (pre-quant
-    scales -- AWQ's, SmoothQuant's -- averaged over the layers that read one input): ModelOpt's own
-    ``requantize_resmooth_fused_llm_layers`` does that, gathering each such group's weights
-    and running a forward (collective under FSDP2: see :func:`fuse_shared_inputs`)."""
+    scales -- AWQ's, SmoothQuant's -- averaged over the layers that read one input): done from
+    each rank's rows by :class:`Resmooth` where it can, else by ModelOpt's own
+    ``requantize_resmooth_fused_llm_layers`` (gathering each such group's weights and running
+    a forward: collective under FSDP2; see :func:`fuse_shared_inputs`)."""
     if not modelopt_loaded():
         return False
     # (ModelOpt's condition: preprocess_linear_fusion rescales where there is such a scale)
@@ -120,9 +123,10 @@ class Resmooth:
     Where a step is not row by row or a layout not whole rows -- a MoE (ModelOpt averages over
     experts), NVFP4-AWQ or SVDQuant, a sequential quantizer, a shard holding part of a row
     (TP), an empty shard -- :meth:`pieces` answers None and ModelOpt's own function runs
-    instead (gathering). Peak memory, per rank: one group's rows of new weights in float32
-    (ModelOpt's arithmetic) beside the rank's amax pieces (1/64 of its quantized rows' bytes
-    at INT4 AWQ's 128-column groups) and every rank's, once gathered."""
+    instead (gathering). Peak memory, per rank: one group's new rows in the weight's dtype
+    plus one weight's rows in float32 (ModelOpt's arithmetic), beside the amax pieces of
+    every rank once gathered (each 1/64 of its rows' bytes at INT4 AWQ's groups of 128
+    columns) and the norms' (a vector of the hidden size each)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
