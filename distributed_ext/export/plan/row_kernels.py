@@ -23,6 +23,7 @@ weight holds at most a 64 KiB table; nothing else is kept.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -39,8 +40,10 @@ _NVFP4 = ("nvfp4", "w4a16_nvfp4")
 RowsFn = Callable[[torch.Tensor, int], dict[str, torch.Tensor]]
 
 
+@functools.lru_cache(maxsize=8)
 def _all_values(dtype: torch.dtype) -> torch.Tensor:
-    """Every value of a 2-byte ``dtype``, in the order of their bits (a table's index)."""
+    """Every value of a 2-byte ``dtype``, in the order of their bits (a table's index). One
+    tensor per dtype, made once (a weight's table is made from it; read only)."""
     return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
 
 
@@ -128,6 +131,10 @@ class _Fp8Rows:
     """FP8 per-tensor rows by lookup in a table of every value of the weight's dtype, made
     (at the first call) by ModelOpt's ``to_quantized_weight`` -- what its export calls for
     them, after casting the weight to the export's dtype -- with the weight's scale."""
+
+    # Its bytes go straight into the output, no temporaries: any number of rows at once
+    # (plan.types.Transform.rows_of then computes a message's rows in one call).
+    unchunked = True
 
     def __init__(self, scale: torch.Tensor, weight_dtype: torch.dtype, dtype: torch.dtype
                  ) -> None:

@@ -33,7 +33,11 @@ class Transform:
     def rows_of(self, rows: torch.Tensor, first: int) -> torch.Tensor:
         """``fn`` of ``rows`` (source rows ``first ..``), computed ``TRANSFORM_BYTES`` of them
         at a time into one output: the arithmetic's temporaries (several float32 copies, in
-        ModelOpt's) stay those of a few MiB however many rows are asked for."""
+        ModelOpt's) stay those of a few MiB however many rows are asked for. An ``fn`` whose
+        ``unchunked`` is true (it holds no temporaries: a table lookup) gets all the rows in
+        one call, its output the message's bytes themselves (no copy into one output)."""
+        if getattr(self.fn, "unchunked", False):
+            return self.fn(rows, first)
         n = rows.shape[0]
         row_bytes = rows[:1].numel() * rows.element_size()
         chunk = max(self.step, TRANSFORM_BYTES // max(row_bytes, 1) // self.step * self.step)
