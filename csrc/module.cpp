@@ -149,6 +149,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nvfp4_scales", &distributed_ext::nvfp4_scales, pybind11::arg("src"),
         pybind11::arg("scale_2"), pybind11::arg("block"),
         "The per-block E4M3 scales of nvfp4_rows alone, as uint8.");
+  m.def("int4_rows", &distributed_ext::int4_rows, pybind11::arg("src"),
+        pybind11::arg("scale"), pybind11::arg("block"),
+        "INT4 AWQ of the rows of src under per-group float32 scales: row pairs packed, uint8.");
   m.def("built_with_cuda", &distributed_ext::built_with_cuda);
   m.def("copy_async", &distributed_ext::copy_async, pybind11::arg("dst_ptr"),
         pybind11::arg("src_ptr"), pybind11::arg("nbytes"), pybind11::arg("stream"),

@@ -227,6 +227,85 @@ void run_nvfp4(const char* what, const at::Tensor& src, double scale_2, int64_t 
 
 }  // namespace
 
+namespace {
+
+// One INT4 code per value of a group (``n`` values, one scale), branch-free so that the
+// loop vectorizes: x / scale in float32 (IEEE division, as torch's), rounded half to even
+// (torch.round), clamped to [-8, 7] (torch.clamp; a NaN stays NaN, and its int8 cast is 0
+// here, as torch's on this CPU: checked before use).
+inline void int4_codes(const float* x, int64_t n, float scale, int8_t* code) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float q = __builtin_roundevenf(x[j] / scale);
+    const float c = std::min(std::max(q, -8.0f), 7.0f);
+    code[j] = (q == q) ? static_cast<int8_t>(static_cast<int>(c)) : int8_t{0};
+  }
+}
+
+DEXT_CLONES
+void int4_pair(const float* x0, const float* x1, const float* s0, const float* s1,
+               int64_t cols, int64_t block, uint8_t* out, int8_t* c0, int8_t* c1) {
+  for (int64_t g = 0; g < cols / block; ++g) {
+    int4_codes(x0 + g * block, block, s0[g], c0 + g * block);
+    int4_codes(x1 + g * block, block, s1[g], c1 + g * block);
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    out[j] = static_cast<uint8_t>((c0[j] & 0x0F) | ((c1[j] & 0x0F) << 4));
+  }
+}
+
+template <typename T>
+void int4_rows_typed(const T* src, const float* scale, int64_t rows, int64_t cols,
+                     int64_t block, uint8_t* out) {
+  const int64_t groups = cols / block;
+  at::parallel_for(0, rows / 2, 8, [&](int64_t lo, int64_t hi) {
+    std::vector<float> x0(cols), x1(cols);
+    std::vector<int8_t> c0(cols), c1(cols);
+    for (int64_t p = lo; p < hi; ++p) {
+      const T* a = src + (2 * p) * cols;
+      const T* b = a + cols;
+      for (int64_t j = 0; j < cols; ++j) {
+        x0[j] = to_float(a[j]);
+        x1[j] = to_float(b[j]);
+      }
+      int4_pair(x0.data(), x1.data(), scale + (2 * p) * groups, scale + (2 * p + 1) * groups,
+                cols, block, out + p * cols, c0.data(), c1.data());
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor int4_rows(const at::Tensor& src, const at::Tensor& scale, int64_t block) {
+  TORCH_CHECK_VALUE(src.device().is_cpu() && src.is_contiguous() && src.dim() == 2,
+              "int4_rows: src must be a contiguous 2-D CPU tensor, got ", src.dim(), "-D on ",
+              src.device());
+  const auto dtype = src.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+              "int4_rows: src must be bfloat16, float16 or float32, got ", src.dtype());
+  const int64_t rows = src.size(0), cols = src.size(1);
+  TORCH_CHECK_VALUE(rows % 2 == 0, "int4_rows: src must have an even number of rows (they "
+              "are packed in pairs), got ", rows);
+  TORCH_CHECK_VALUE(block > 0 && cols % block == 0, "int4_rows: block must divide the "
+              "columns (", cols, "), got ", block);
+  TORCH_CHECK_VALUE(scale.device().is_cpu() && scale.is_contiguous() &&
+              scale.scalar_type() == at::kFloat && scale.dim() == 2 &&
+              scale.size(0) == rows && scale.size(1) == cols / block,
+              "int4_rows: scale must be a contiguous float32 CPU tensor of shape [", rows,
+              ", ", cols / block, "], got ", scale.dtype(), " ", scale.sizes());
+  at::Tensor out = at::empty({rows / 2, cols}, src.options().dtype(at::kByte));
+  const float* s = scale.data_ptr<float>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  pybind11::gil_scoped_release no_gil;
+  if (dtype == at::kBFloat16) {
+    int4_rows_typed(static_cast<const c10::BFloat16*>(src.data_ptr()), s, rows, cols, block, o);
+  } else if (dtype == at::kHalf) {
+    int4_rows_typed(static_cast<const c10::Half*>(src.data_ptr()), s, rows, cols, block, o);
+  } else {
+    int4_rows_typed(src.data_ptr<float>(), s, rows, cols, block, o);
+  }
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> nvfp4_rows(const at::Tensor& src, double scale_2,
                                               int64_t block) {
   at::Tensor packed, scales;

@@ -25,4 +25,13 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_rows(const at::Tensor& src, double scal
 // tensor written before its weight's rows are computed. GIL released.
 at::Tensor nvfp4_scales(const at::Tensor& src, double scale_2, int64_t block);
 
+// INT4 AWQ of the rows of src (contiguous CPU [rows, cols], bfloat16, float16 or float32;
+// rows even, cols a multiple of block) with the per-group scales ``scale`` (contiguous
+// float32 [rows, cols / block]): each value's code is round-half-even(x / its group's
+// scale) clamped to [-8, 7] (a NaN: 0), and each pair of rows 2i, 2i + 1 is packed into row
+// i of the output (uint8 [rows / 2, cols]): row 2i's code in the low nibble. ModelOpt
+// 0.47's pack_int4_in_uint8 as torch evaluates it on the CPU (the division in float32);
+// checked against it before use (plan/row_kernels.py). GIL released.
+at::Tensor int4_rows(const at::Tensor& src, const at::Tensor& scale, int64_t block);
+
 }  // namespace distributed_ext

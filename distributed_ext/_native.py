@@ -273,3 +273,13 @@ def heartbeat_count() -> int:
 def heartbeat_failed() -> bool:
     """Whether the current heartbeat stopped after repeated failed beats."""
     return bool(_C.heartbeat_failed())
+
+
+def int4_rows(src: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """INT4 AWQ of the rows of ``src`` (contiguous CPU ``[rows, cols]``, bfloat16, float16 or
+    float32; ``rows`` even, ``cols`` a multiple of ``block``) under per-group scales
+    (contiguous float32 ``[rows, cols / block]``): round-half-even of ``x / scale`` clamped
+    to [-8, 7], rows ``2i`` and ``2i + 1`` packed into row ``i`` (uint8 ``[rows / 2, cols]``,
+    row ``2i`` in the low nibble). ModelOpt's arithmetic (csrc/quantize.h); GIL released,
+    threads used."""
+    return _C.int4_rows(src, scale, int(block))

@@ -221,6 +221,25 @@ def test_nvfp4_rows_refuses_a_block_that_does_not_divide_the_columns():
         _native.nvfp4_scales(torch.zeros((2, 24), dtype=torch.bfloat16), 1.0, 16)
 
 
+def test_int4_rows_packs_row_pairs_and_refuses_bad_arguments():
+    rows = torch.tensor([[0.5, 1.5, -9.0, 2.4], [-0.5, 7.6, float("inf"), -2.5]])
+    scale = torch.tensor([[1.0, 0.5], [1.0, 0.5]])
+    # codes: row 0: 0 (half to even), 2, -8 (clamped: 8 in a nibble), 5; row 1: 0, 8 -> 7,
+    # inf -> 7, -5 (0xB); row 0 in the low nibble
+    want = torch.tensor([[0x00, 0x72, 0x78, 0xB5]], dtype=torch.uint8)
+    assert torch.equal(_native.int4_rows(rows, scale, 2), want)
+    assert torch.equal(_native.int4_rows(rows.to(torch.bfloat16), scale, 2), want)
+    with pytest.raises(ValueError, match="even number of rows"):
+        _native.int4_rows(rows[:1], scale[:1], 2)
+    with pytest.raises(ValueError, match="block must divide the columns"):
+        _native.int4_rows(rows, scale, 3)
+    with pytest.raises(ValueError, match=r"scale must be a contiguous float32 CPU tensor of "
+                                         r"shape \[2, 2\]"):
+        _native.int4_rows(rows, scale.to(torch.bfloat16), 2)
+    with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        _native.int4_rows(rows.double(), scale, 2)
+
+
 def test_nvfp4_scales_alone_equal_those_of_the_rows():
     g = torch.Generator().manual_seed(2)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

@@ -1,6 +1,7 @@
-"""The compiled core's versions of ModelOpt's row arithmetic (export/plan/row_kernels.py),
-compared byte for byte with ModelOpt's own functions on every value of bfloat16 and float16
-(infinities included; NaN blocks as far as ModelOpt's own bytes are defined), the fallback
+"""The compiled core's versions of ModelOpt's row arithmetic (export/plan/row_kernels.py:
+FP8, NVFP4, INT4 AWQ), compared byte for byte with ModelOpt's own functions on every value
+of bfloat16 and float16 (infinities included; NaN blocks as far as ModelOpt's own bytes are
+defined), the fallback
 to ModelOpt's where a kernel differs, and a one-process export that takes the compiled
 path for every quantized weight and still equals ModelOpt's own export. ModelOpt is
 imported only in the ranks (a fresh process each)."""
@@ -136,6 +137,34 @@ def test_fp8_table_equals_modelopts_arithmetic_on_every_value():
     assert assert_all_ok(run_ranks(_compare_fp8, 1, init=False, timeout=120)) == [[]]
 
 
+def _compare_int4() -> list[str]:
+    # INT4 AWQ: every value of bfloat16 and float16 (and random float32 over sixteen
+    # decades) against ModelOpt's pack_int4_in_uint8, under per-group scales from tiny to
+    # large; NaNs as ModelOpt's own arithmetic gives them on this CPU.
+    warnings.filterwarnings("ignore")
+    from modelopt.torch.export.quant_utils import pack_int4_in_uint8
+
+    from distributed_ext._native import int4_rows
+
+    wrong = []
+    g = torch.Generator().manual_seed(6)
+    cases = [_every_value(dtype).reshape(128, 512) for dtype in (torch.bfloat16, torch.float16)]
+    cases.append(torch.randn(64, 512, generator=g) * torch.logspace(-8, 8, 512))
+    for rows in cases:
+        for block in (128, 64):
+            scale = torch.logspace(-7, 3, rows.shape[0] * (512 // block)).reshape(
+                rows.shape[0], -1)[torch.randperm(rows.shape[0], generator=g)]
+            ref = pack_int4_in_uint8(rows, scale, block)
+            got = int4_rows(rows, scale.contiguous(), block)
+            if got.dtype != ref.dtype or not torch.equal(got, ref):
+                wrong.append(f"{rows.dtype} block {block}")
+    return wrong
+
+
+def test_int4_kernel_equals_modelopts_arithmetic_on_every_value():
+    assert assert_all_ok(run_ranks(_compare_int4, 1, init=False, timeout=120)) == [[]]
+
+
 def _fallback_where_the_kernel_differs() -> tuple:
     from modelopt.torch.quantization.nn import TensorQuantizer
 
@@ -207,7 +236,7 @@ def _export_alone(base: str, fmt: str) -> tuple[int, int]:
     return sum(made), len(made)
 
 
-@pytest.mark.parametrize("fmt", ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"])
+@pytest.mark.parametrize("fmt", ["FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT4_AWQ_CFG"])
 def test_an_export_takes_the_compiled_path_and_equals_modelopts(fmt, tmp_path):
     base = str(tmp_path)
     [(fast, units)] = assert_all_ok(run_ranks(_export_alone, 1, base, fmt, init=False,

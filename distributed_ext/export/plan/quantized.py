@@ -199,6 +199,17 @@ def _export_rows(unit: _Unit, rows: torch.Tensor, first: int, dtype: torch.dtype
     return out
 
 
+def _weight_scale_rows(unit: _Unit, rows: torch.Tensor, first: int) -> torch.Tensor:
+    """ModelOpt's ``weight_scale`` of the rows ``first ..`` of a unit's weight alone (its
+    ``get_weight_scaling_factor``, as its export registers it), without quantizing them:
+    for a format whose scales come from the calibration (INT4 AWQ)."""
+    from modelopt.torch.export.quant_utils import get_weight_scaling_factor
+
+    repeat = 2 if rows.shape[0] <= ROW_FORMATS[unit.fmt] else 1
+    scale = get_weight_scaling_factor(_stand_in(unit, rows, first, repeat), "weight")
+    return scale[: rows.shape[0]] if repeat > 1 else scale
+
+
 class _RowsOf:
     """One output of ModelOpt's export of a weight, for the rows a rank holds (called in the
     stager). ModelOpt computes a weight's every output in one call; the outputs other than
@@ -443,7 +454,8 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
     what = f"{unit.name} ({unit.fmt})"
     token = next(_TOKENS)  # (this weight's rows, in the kept outputs' keys)
     fast = fast_rows(unit.fmt, unit.weight_quantizer, weight_dtype, dtype, shape[1], one,
-                     per_row, lambda rows, first: _export_rows(unit, rows, first, dtype))
+                     per_row, lambda rows, first: _export_rows(unit, rows, first, dtype),
+                     lambda rows, first: _weight_scale_rows(unit, rows, first), total)
     for suffix, small in one.items():
         if suffix not in per_row:
             extra[prefix + suffix] = small.contiguous()

@@ -14,6 +14,9 @@ rows. Here:
   quantizer's): :func:`distributed_ext._native.nvfp4_rows` restates its arithmetic in C++.
   (A block holding a NaN gets a NaN scale whose sign bit ModelOpt's own arithmetic sets
   differently with how many rows torch computes at once; no other byte differs.)
+- **INT4 AWQ** (``int4_awq``): the per-group scales are ModelOpt's own (from the calibrated
+  amax of those rows, no weight read); the codes and their packing in pairs of rows by
+  :func:`distributed_ext._native.int4_rows`, which restates ``pack_int4_in_uint8``.
 
 Each is compared, once per process and dtype, with ModelOpt's export of the same rows
 (every finite value of the dtype and the infinities, shuffled) before it is used; where it
@@ -30,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from distributed_ext._native import map_through_table, nvfp4_rows, nvfp4_scales
+from distributed_ext._native import int4_rows, map_through_table, nvfp4_rows, nvfp4_scales
 
 # (fmt, dtype, block) -> whether the kernel gave ModelOpt's bytes in this process.
 _CHECKED: dict[tuple, bool] = {}
@@ -59,12 +62,15 @@ def _every_value(dtype: torch.dtype, cols: int) -> torch.Tensor:
 
 def fast_rows(fmt: str, weight_quantizer: torch.nn.Module, weight_dtype: torch.dtype,
               dtype: torch.dtype, cols: int, one: dict[str, torch.Tensor],
-              per_row: list[str], modelopt_rows: RowsFn) -> RowsFn | None:
+              per_row: list[str], modelopt_rows: RowsFn,
+              modelopt_scale: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+              total: int = 0) -> RowsFn | None:
     """The compiled core's version of ``modelopt_rows`` (ModelOpt's export of a weight's
     rows: ``(rows, first) -> {output: tensor}``, its per-row outputs ``per_row``) for one
     weight, or None where there is none or it did not give ModelOpt's bytes. ``one`` is
     ModelOpt's export of a few rows of it (the written dtypes and shapes, the global
-    scales)."""
+    scales); ``modelopt_scale``: ModelOpt's ``weight_scale`` of rows without their weight
+    (for INT4 AWQ, whose scales come from the calibration); ``total``: the weight's rows."""
     if fmt == "fp8" and set(per_row) == {"weight"} and weight_dtype.itemsize == 2 and \
             one["weight"].dtype == torch.float8_e4m3fn and "weight_scale" in one and \
             one["weight_scale"].numel() == 1:
@@ -82,13 +88,23 @@ def fast_rows(fmt: str, weight_quantizer: torch.nn.Module, weight_dtype: torch.d
         if block % 2:
             return None
         fn = _Nvfp4Rows(float(one["weight_scale_2"].reshape(())), block)
+    elif fmt == "int4_awq" and set(per_row) == {"weight", "weight_scale"} and \
+            modelopt_scale is not None and total >= 2 and total % 2 == 0 and \
+            weight_dtype == dtype and weight_dtype in (
+            torch.bfloat16, torch.float16, torch.float32) \
+            and one["weight"].dtype == torch.uint8 and one["weight"].shape[1] == cols \
+            and one["weight_scale"].dtype == torch.float32 and one["weight_scale"].dim() == 2 \
+            and cols % one["weight_scale"].shape[1] == 0:
+        block = cols // one["weight_scale"].shape[1]
+        fn = _Int4Rows(block, modelopt_scale)
     else:
         return None
     key = (fmt, weight_dtype, dtype, block)
     with _LOCK:
         ok = _CHECKED.get(key)
     if ok is None:
-        ok = _same_bytes(fn, modelopt_rows, weight_dtype, cols)
+        ok = _same_bytes(fn, modelopt_rows, weight_dtype, cols,
+                         *((total, 2) if fmt == "int4_awq" else (0, 1)))
         if not ok:
             warnings.warn(f"distributed_ext: the compiled {fmt} arithmetic differs from "
                           f"ModelOpt's on {weight_dtype} rows here; ModelOpt's own is used "
@@ -106,16 +122,28 @@ def _dynamic(weight_quantizer: torch.nn.Module) -> bool:
     return not NVFP4QTensor._is_static_quantizer(weight_quantizer)
 
 
-def _same_bytes(fn: RowsFn, modelopt_rows: RowsFn, dtype: torch.dtype, cols: int) -> bool:
+def _same_bytes(fn: RowsFn, modelopt_rows: RowsFn, dtype: torch.dtype, cols: int,
+                most: int = 0, step: int = 1) -> bool:
     """Whether ``fn`` gives ModelOpt's outputs, byte for byte, on rows of every value of
     ``dtype`` (random float32 rows for a 4-byte dtype); so too each output it computes
-    alone (``fn.alone``)."""
+    alone (``fn.alone``). Where the weight's scales come from its calibration (rows of it
+    and no more: ``most``), the rows are asked ``most`` at a time; ``step``: the rows the
+    format takes together (the rows are made a multiple of it)."""
     if dtype.itemsize == 2:
         rows = _every_value(dtype, cols)
     else:
         g = torch.Generator().manual_seed(0)
         rows = (torch.randn((-(-65536 // cols), cols), generator=g) *
                 torch.logspace(-8, 8, cols).to(torch.float32)).to(dtype)
+    if rows.shape[0] % step:
+        rows = torch.cat([rows, rows[: step - rows.shape[0] % step]])
+    if most and rows.shape[0] > most:
+        return all(_same_bytes_of(fn, modelopt_rows, rows[a : a + most])
+                   for a in range(0, rows.shape[0], most))
+    return _same_bytes_of(fn, modelopt_rows, rows)
+
+
+def _same_bytes_of(fn: RowsFn, modelopt_rows: RowsFn, rows: torch.Tensor) -> bool:
     ours, theirs = fn(rows, 0), modelopt_rows(rows, 0)
     for name, alone in getattr(fn, "alone", {}).items():  # (each output it computes alone)
         if name not in ours:
@@ -170,3 +198,22 @@ class _Nvfp4Rows:
         src = rows.contiguous()  # (itself where it is)
         packed, scales = nvfp4_rows(src, self.scale_2, self.block)
         return {"weight": packed, "weight_scale": scales.view(torch.float8_e4m3fn)}
+
+
+class _Int4Rows:
+    """INT4 AWQ rows: ModelOpt's per-group scales of the rows (``scale_of``: from their
+    calibrated amax; no weight read), the codes and their packing by the compiled core;
+    ``alone``: the scales without the codes."""
+
+    def __init__(self, block: int, scale_of: Callable[[torch.Tensor, int], torch.Tensor]
+                 ) -> None:
+        self.block, self.scale_of = block, scale_of
+        self.alone = {"weight_scale": scale_of}
+
+    def __call__(self, rows: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
+        scale = self.scale_of(rows, first)
+        if scale.dtype != torch.float32 or scale.dim() != 2:
+            raise ValueError(f"ModelOpt's INT4 AWQ scales of rows {first}.. are "
+                             f"{scale.dtype} {list(scale.shape)}, not float32 [rows, groups]")
+        packed = int4_rows(rows.contiguous(), scale.contiguous(), self.block)
+        return {"weight": packed, "weight_scale": scale}
