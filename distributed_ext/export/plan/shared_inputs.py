@@ -261,8 +261,7 @@ def _rows_held(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
 
     if not isinstance(t, DTensor):
         return t.detach(), 0
-    import torch.distributed as dist
-
+    from distributed_ext import runtime
     from distributed_ext.export.plan.placements import mesh_boxes, placement_code
 
     try:
@@ -273,7 +272,7 @@ def _rows_held(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         return None
     mesh = t.device_mesh
     local_shape, boxes = mesh_boxes(tuple(t.shape), codes, tuple(mesh.mesh.flatten().tolist()),
-                                    tuple(mesh.mesh.shape))[dist.get_rank()]
+                                    tuple(mesh.mesh.shape))[runtime.rank()]
     local = t.to_local().detach()
     if len(boxes) != 1 or tuple(local.shape) != tuple(local_shape):
         return None
