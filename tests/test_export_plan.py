@@ -174,30 +174,23 @@ def test_planning_every_rank_at_once_equals_planning_each_rank_alone():
         assert together[r] == alone and alone, r
 
 
-@pytest.mark.parametrize("unchunked", [False, True])
-def test_a_transform_computes_rows_a_few_mib_at_a_time_unless_it_holds_no_temporaries(
-        unchunked):
+def test_a_transform_computes_rows_a_few_mib_at_a_time_at_the_sources_own_cuts():
     from distributed_ext.export.plan.types import TRANSFORM_BYTES, Transform
 
     calls = []
 
-    class Double:  # two written rows of int8 per source row pair: halves, doubled
-        def __call__(self, rows, first):
-            calls.append((first, rows.shape[0]))
-            return (rows[::2] * 2).to(torch.int8)
+    def double(rows, first):  # one written int8 row per source row pair: doubled
+        calls.append((first, rows.shape[0]))
+        return (rows[::2] * 2).to(torch.int8)
 
-    fn = Double()
-    fn.unchunked = unchunked
     cols = 1024  # 4 KiB rows of float32
     rows = torch.arange(3 * TRANSFORM_BYTES // (4 * cols) * cols, dtype=torch.float32) % 50
     rows = rows.reshape(-1, cols)
     first = 6  # (cuts fall on the source's own multiples of the chunk)
-    t = Transform(fn, 2, 1, "test", torch.float32, tuple(rows.shape))
+    t = Transform(double, 2, 1, "test", torch.float32, tuple(rows.shape))
     out = t.rows_of(rows, first)
     assert torch.equal(out, (rows[::2] * 2).to(torch.int8))
     chunk = TRANSFORM_BYTES // (4 * cols)
-    if unchunked:
-        assert calls == [(first, rows.shape[0])]
-    else:
-        assert len(calls) == 4 and all(n <= chunk for _f, n in calls), calls
-        assert all((f + n) % chunk == 0 for f, n in calls[:-1]), calls
+    assert len(calls) == 4 and all(n <= chunk for _f, n in calls), calls
+    assert all((f + n) % chunk == 0 for f, n in calls[:-1]), calls
+    assert sum(n for _f, n in calls) == rows.shape[0] and calls[0][0] == first, calls

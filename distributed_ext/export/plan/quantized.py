@@ -222,10 +222,6 @@ class _RowsOf:
         self.unit, self.suffix, self.dtype, self.token, self.kept = (unit, suffix, dtype,
                                                                      token, kept)
         self.fast = fast  # the compiled core's arithmetic (plan.row_kernels), or None
-        # Rows computed all at once (plan.types.Transform.rows_of) where the compiled core
-        # holds no temporaries and no other output is kept from the same rows.
-        self.unchunked = bool(fast is not None and getattr(fast, "unchunked", False)
-                              and not kept)
 
     def __call__(self, rows: torch.Tensor, first: int) -> torch.Tensor:
         key = (self.token, first, rows.shape[0])

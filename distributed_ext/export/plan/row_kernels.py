@@ -160,10 +160,6 @@ class _Fp8Rows:
     (at the first call) by ModelOpt's ``to_quantized_weight`` -- what its export calls for
     them, after casting the weight to the export's dtype -- with the weight's scale."""
 
-    # Its bytes go straight into the output, no temporaries: any number of rows at once
-    # (plan.types.Transform.rows_of then computes a message's rows in one call).
-    unchunked = True
-
     def __init__(self, scale: torch.Tensor, weight_dtype: torch.dtype, dtype: torch.dtype
                  ) -> None:
         self.scale, self.weight_dtype, self.dtype = scale, weight_dtype, dtype
