@@ -124,9 +124,10 @@ class Resmooth:
     experts), NVFP4-AWQ or SVDQuant, a sequential quantizer, a shard holding part of a row
     (TP), an empty shard -- :meth:`pieces` answers None and ModelOpt's own function runs
     instead (gathering). Peak memory, per rank: one group's new rows in the weight's dtype
-    plus one weight's rows in float32 (ModelOpt's arithmetic), beside the amax pieces of
-    every rank once gathered (each 1/64 of its rows' bytes at INT4 AWQ's groups of 128
-    columns) and the norms' (a vector of the hidden size each)."""
+    plus one weight's rows in float32 (ModelOpt's arithmetic), beside every rank's amax
+    pieces once gathered (host memory; together as large as those layers' amax buffers,
+    which every rank holds already: 4 bytes per 128 weights at INT4 AWQ's groups, 1/64 of a
+    bf16 weight's bytes) and its norms' (a vector of the hidden size each)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -164,24 +165,22 @@ class Resmooth:
             for stand, name, (rows, first) in self._stand_ins(group, modules):
                 amax = getattr(stand.weight_quantizer, "_amax", None)
                 real = getattr(names[name].weight_quantizer, "_amax", None)
-                total = names[name].weight.shape[0]
+                total, count = names[name].weight.shape[0], rows.shape[0]
                 if stand.weight.data_ptr() == rows.data_ptr():
                     # (its scale was the group's mean already: not calibrated again, its
-                    # amax is the model's, or the group's maximum of them)
-                    first, rows = 0, rows.new_empty((total, 0))
-                if not _amax_by_rows(amax, real, rows.shape[0], total):
+                    # amax is the model's, or the group's maximum of them: all rows')
+                    first, count = 0, total
+                if not _amax_by_rows(amax, real, count, total):
                     return None
-                out["amax"][name] = (first, first + rows.shape[0],
-                                     None if amax is None else amax.detach().clone())
+                out["amax"][name] = (first, first + count, _to_host(amax))
             if norm is not None:
                 held = _rows_held(modules_of[norm].weight)
                 bias = getattr(modules_of[norm], "bias", None)
                 held_bias = _rows_held(bias) if isinstance(bias, torch.Tensor) else None
                 if held is None or (isinstance(bias, torch.Tensor) and held_bias is None):
                     return None
-                out["norms"][norm] = (held[1], held[1] + held[0].shape[0],
-                                      held[0].detach().clone(),
-                                      None if held_bias is None else held_bias[0].detach().clone())
+                out["norms"][norm] = (held[1], held[1] + held[0].shape[0], _to_host(held[0]),
+                                      None if held_bias is None else _to_host(held_bias[0]))
             self.groups.append((group, modules, norm))
         return out
 
@@ -226,7 +225,7 @@ class Resmooth:
                     iq.amax = siq._amax
                 amax = _assemble_amax(name, [p["amax"][name] for p in every])
                 if amax is not None:
-                    real.weight_quantizer.amax = amax
+                    real.weight_quantizer.amax = amax.to(real.weight.device)
             if norm is None:
                 continue
             layernorm = modules_of[norm]
@@ -250,6 +249,12 @@ class Resmooth:
 
 
 _EXPERT = re.compile(r"(experts?\.)\d+")  # (ModelOpt's pattern of an expert's name)
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy in host memory (what the ranks exchange: a GPU tensor would be unpickled onto
+    the sender's device number)."""
+    return None if t is None else t.detach().to("cpu", copy=True)
 
 
 def _rows_held(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -311,8 +316,8 @@ def _assemble_rows(name: str, parts: list[tuple[int, int, torch.Tensor]]) -> tor
     tensor)."""
     total = max(b for _a, b, _t in parts)
     k = next((t.shape[0] // (b - a) for a, b, t in parts if b > a), 1)
-    first = next(t for _a, _b, t in parts)
-    out = first.new_empty((total * k, *first.shape[1:]))
+    sample = parts[0][2]
+    out = sample.new_empty((total * k, *sample.shape[1:]))
     covered = torch.zeros(total, dtype=torch.bool)
     for a, b, t in parts:
         out[a * k : b * k] = t
