@@ -232,7 +232,8 @@ namespace {
 // One INT4 code per value of a group (``n`` values, one scale), branch-free so that the
 // loop vectorizes: x / scale in float32 (IEEE division, as torch's), rounded half to even
 // (torch.round), clamped to [-8, 7] (torch.clamp; a NaN stays NaN, and its int8 cast is 0
-// here, as torch's on this CPU: checked before use).
+// here, as torch's on this CPU: tests/test_row_kernels.py compares every bf16/fp16 value,
+// NaNs included).
 inline void int4_codes(const float* x, int64_t n, float scale, int8_t* code) {
   for (int64_t j = 0; j < n; ++j) {
     const float q = __builtin_roundevenf(x[j] / scale);

@@ -151,12 +151,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         if quantize and hub_keys and isinstance(model_or_state, nn.Module):
             inner = unwrap(model_or_state)
             if _shared_inputs.needs_gather(inner):
-                resmooth = _shared_inputs.Resmooth(inner)
-                pieces = resmooth.pieces()
-                if pieces is not None:
-                    resmooth.apply([pieces])
-                else:
-                    _shared_inputs.fuse_shared_inputs(inner)
+                _shared_inputs.fuse_pre_quant_scales_alone(inner)
         held: dict[str, Any] = {}
         describe(held)
         state, model = held["local"], held["model"]

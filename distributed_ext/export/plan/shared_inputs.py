@@ -248,6 +248,17 @@ class Resmooth:
                     rows.copy_(getattr(stand_norm, attr)[first : first + rows.shape[0]])
 
 
+def fuse_pre_quant_scales_alone(model: nn.Module) -> None:
+    """In one process (no group): the pre-quant scales' fusing by :class:`Resmooth` from the
+    model's (whole) rows, else by ModelOpt's own function."""
+    resmooth = Resmooth(model)
+    pieces = resmooth.pieces()
+    if pieces is not None:
+        resmooth.apply([pieces])
+    else:
+        fuse_shared_inputs(model)
+
+
 _EXPERT = re.compile(r"(experts?\.)\d+")  # (ModelOpt's pattern of an expert's name)
 
 
