@@ -198,16 +198,25 @@ def _describe_dtensor(key: str, t: Any, table: list[Signature]
     """A DTensor signature seen for the first time: checked, added to ``table``; returns its
     index and this rank's expected local shape (None where this rank holds none)."""
     _check_dtype(key, t)
+    sig = dtensor_signature(key, t)
+    ranks = sig.mesh_ranks
+    assert ranks is not None and sig.placements is not None
+    if list(ranks) != sorted(ranks):
+        check_mesh_order(key, sig.shape, sig.placements, ranks, sig.mesh_shape)
+    expected = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[0]
+    table.append(sig)
+    return len(table) - 1, None if expected is None else torch.Size(expected)
+
+
+def dtensor_signature(key: str, t: Any) -> Signature:
+    """A DTensor's signature: dtype, global shape, placements (as codes), mesh ranks and mesh
+    shape. ValueError naming ``key`` for a placement the export cannot place."""
     spec = t._spec
     mesh = spec.mesh
     codes = tuple(placement_code(key, p) for p in spec.placements)
     ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
-    sig = Signature(_dtype_name(t.dtype), tuple(spec.shape), codes, ranks, tuple(mesh.mesh.shape))
-    if list(ranks) != sorted(ranks):
-        check_mesh_order(key, sig.shape, codes, ranks, sig.mesh_shape)
-    expected = _dtensor_blocks(sig).get(_my_global_rank(), (None, None))[0]
-    table.append(sig)
-    return len(table) - 1, None if expected is None else torch.Size(expected)
+    return Signature(_dtype_name(t.dtype), tuple(spec.shape), codes, ranks,
+                     tuple(mesh.mesh.shape))
 
 
 def _describe_plain(key: str, t: torch.Tensor, table: list[Signature]) -> tuple[int, None]:

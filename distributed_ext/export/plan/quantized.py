@@ -24,7 +24,6 @@ ModelOpt is imported only for a model that has its quantizers (it is then alread
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import json
@@ -37,6 +36,7 @@ import torch.nn as nn
 from distributed_ext.export.plan import keys as _keys
 from distributed_ext.export.plan.row_kernels import RowsFn, fast_rows
 from distributed_ext.export.plan.shared_inputs import (
+    copy_quantizer,
     fuse_shared_inputs,
     modelopt_loaded,
     needs_gather,
@@ -144,7 +144,7 @@ def _stand_in(unit: _Unit, rows: torch.Tensor, first: int, repeat: int) -> nn.Mo
     n = rows.shape[0]
     s.weight = nn.Parameter(rows.repeat(repeat, *(1,) * (rows.dim() - 1)) if repeat > 1
                             else rows, requires_grad=False)
-    wq = _copy(unit.weight_quantizer)
+    wq = copy_quantizer(unit.weight_quantizer)
     for name, buf in list(wq.named_buffers(recurse=False)):
         if isinstance(buf, torch.Tensor) and buf.dim() > 0:
             setattr(wq, name, _cut(buf, unit.first + first, n, unit.total, repeat))
@@ -155,23 +155,10 @@ def _stand_in(unit: _Unit, rows: torch.Tensor, first: int, repeat: int) -> nn.Mo
     s.weight_quantizer = wq
     # Copies: ModelOpt's export converts their amax to float32 in place.
     if unit.input_quantizer is not None:
-        s.input_quantizer = _copy(unit.input_quantizer)
+        s.input_quantizer = copy_quantizer(unit.input_quantizer)
     if unit.output_quantizer is not None:
-        s.output_quantizer = _copy(unit.output_quantizer)
+        s.output_quantizer = copy_quantizer(unit.output_quantizer)
     return s
-
-
-def _copy(quantizer: nn.Module) -> nn.Module:
-    """A copy of a quantizer that ModelOpt's export may change (set, convert or delete its
-    buffers and attributes) without changing the model's: its own attribute and buffer
-    tables over the same tensors (a deep copy costs a millisecond a call, and a call is made
-    per 1 MiB of rows); a quantizer with submodules is copied deeply."""
-    if quantizer._modules:
-        return copy.deepcopy(quantizer)
-    out = copy.copy(quantizer)
-    out._buffers = dict(quantizer._buffers)
-    out._parameters = dict(quantizer._parameters)
-    return out
 
 
 def _export_rows(unit: _Unit, rows: torch.Tensor, first: int, dtype: torch.dtype

@@ -159,10 +159,10 @@ class Resmooth:
             if _EXPERT.search(group[0]):
                 return None  # (ModelOpt also fuses experts the forward missed, by name)
             norm = norm if "awq" in group_fmt else None
-            if any(h is None or h[0].shape[0] == 0 for h in map(_rows_held, (
-                    m.weight for m in modules))):
+            stands = self._stand_ins(group, modules)
+            if stands is None:
                 return None  # (a shard of columns, strided rows, or none)
-            for stand, name, (rows, first) in self._stand_ins(group, modules):
+            for stand, name, (rows, first) in stands:
                 amax = getattr(stand.weight_quantizer, "_amax", None)
                 real = getattr(names[name].weight_quantizer, "_amax", None)
                 total, count = names[name].weight.shape[0], rows.shape[0]
@@ -185,17 +185,16 @@ class Resmooth:
         return out
 
     def _stand_ins(self, group: list[str], modules: list[nn.Module]
-                   ) -> list[tuple[nn.Module, str, tuple[torch.Tensor, int]]]:
+                   ) -> list[tuple[nn.Module, str, tuple[torch.Tensor, int]]] | None:
         """ModelOpt's ``preprocess_linear_fusion`` run on stand-ins of a group's linears
         that hold this rank's rows and copies of their quantizers: (stand-in, name, (the
-        rank's rows in its shard, their first row's global index)) for each. ValueError
-        where a weight's shard is not whole rows (checked by :meth:`pieces` first)."""
+        rank's rows in its shard, their first row's global index)) for each; None where a
+        weight's shard here is not a run of whole rows, or holds none."""
         from modelopt.torch.export.quant_utils import preprocess_linear_fusion
 
         held = [_rows_held(m.weight) for m in modules]
         if any(h is None or h[0].shape[0] == 0 for h in held):
-            raise ValueError(f"{group}: a weight's shard here is not a run of whole rows "
-                             "(Resmooth.pieces answers None for such a model)")
+            return None
         stands = []
         for m, (rows, _first) in zip(modules, held):  # type: ignore[misc]
             s = nn.Module()
@@ -213,7 +212,9 @@ class Resmooth:
 
         modules_of = dict(self.model.named_modules())
         for group, modules, norm in self.groups:
-            for stand, name, (rows, _first) in self._stand_ins(group, modules):
+            stands = self._stand_ins(group, modules)
+            assert stands is not None  # (pass 1 found every shard whole rows)
+            for stand, name, (rows, _first) in stands:
                 real = modules_of[name]
                 if stand.weight.data_ptr() != rows.data_ptr():  # (calibrated again)
                     with torch.no_grad():
@@ -273,23 +274,26 @@ def _rows_held(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     local tensor, the global index of its first row) -- the tensor itself and 0 where it is
     not a DTensor; None where its shard is not such a run (a shard of columns, strided
     rows)."""
-    from torch.distributed.tensor import DTensor
+    from distributed_ext._dtensor import dtensor_type
+    from distributed_ext.export.plan.entries import (
+        _dtensor_blocks,
+        _local,
+        _my_global_rank,
+        dtensor_signature,
+    )
 
-    if not isinstance(t, DTensor):
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
         return t.detach(), 0
-    from distributed_ext import runtime
-    from distributed_ext.export.plan.placements import mesh_boxes, placement_code
-
     try:
-        codes = tuple(placement_code("weight", p) for p in t.placements)
+        sig = dtensor_signature("weight", t)
     except ValueError:
         return None
-    if any(c[0] == "SS" or (c[0] == "S" and c[1] != 0) for c in codes):
+    assert sig.placements is not None
+    if any(c[0] == "SS" or (c[0] == "S" and c[1] != 0) for c in sig.placements):
         return None
-    mesh = t.device_mesh
-    local_shape, boxes = mesh_boxes(tuple(t.shape), codes, tuple(mesh.mesh.flatten().tolist()),
-                                    tuple(mesh.mesh.shape))[runtime.rank()]
-    local = t.to_local().detach()
+    local_shape, boxes = _dtensor_blocks(sig)[_my_global_rank()]
+    local = _local(t).detach()
     if len(boxes) != 1 or tuple(local.shape) != tuple(local_shape):
         return None
     return local, boxes[0][0][0] if t.dim() else 0
@@ -345,17 +349,27 @@ _BLOCK_SETUP = ("_original_shape", "_block_reshape_size", "_padding", "_slices",
                 "_amax_shape_for_export")
 
 
+def copy_quantizer(quantizer: nn.Module) -> nn.Module:
+    """A copy of a quantizer that ModelOpt's export may change (set, convert or delete its
+    buffers and attributes) without changing the model's: its own attribute and buffer
+    tables over the same tensors (a deep copy costs a millisecond a call, and a call is made
+    per 1 MiB of rows); a quantizer with submodules is copied deeply."""
+    if quantizer._modules:
+        return copy.deepcopy(quantizer)
+    out = copy.copy(quantizer)
+    out._buffers = dict(quantizer._buffers)
+    out._parameters = dict(quantizer._parameters)
+    return out
+
+
 def _detached(quantizer: nn.Module) -> nn.Module:
     """A copy of a quantizer that ModelOpt's fusing may change (its buffers set in place,
-    its calibrator run) without changing the model's: its own buffers and calibrator, and
-    no block setup (:data:`_BLOCK_SETUP`) for the shape of the model's weight."""
-    if quantizer._modules:
-        out = copy.deepcopy(quantizer)
-    else:
-        out = copy.copy(quantizer)
-        out._buffers = {k: None if v is None else v.clone()
-                        for k, v in quantizer._buffers.items()}
-        out._parameters = dict(quantizer._parameters)
+    its calibrator run) without changing the model's: :func:`copy_quantizer` with buffers
+    and calibrator of its own, and no block setup (:data:`_BLOCK_SETUP`) for the shape of
+    the model's weight."""
+    out = copy_quantizer(quantizer)
+    if not quantizer._modules:  # (a deep copy has its own already)
+        out._buffers = {k: None if v is None else v.clone() for k, v in out._buffers.items()}
         calibrator = getattr(quantizer, "_calibrator", None)
         if calibrator is not None:
             out._calibrator = copy.deepcopy(calibrator)
