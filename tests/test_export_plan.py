@@ -194,3 +194,43 @@ def test_a_transform_computes_rows_a_few_mib_at_a_time_at_the_sources_own_cuts()
     assert len(calls) == 4 and all(n <= chunk for _f, n in calls), calls
     assert all((f + n) % chunk == 0 for f, n in calls[:-1]), calls
     assert sum(n for _f, n in calls) == rows.shape[0] and calls[0][0] == first, calls
+
+
+@pytest.mark.parametrize("shift", [0, 1, 4000])
+def test_a_transform_computes_its_rows_at_the_address_a_direct_write_wants(shift):
+    # A rank's quantized rows are most of what it writes: computed where the file offset's
+    # alignment wants them, a direct write takes them without the bounce copy.
+    from distributed_ext._direct_io import ALIGN
+    from distributed_ext.export.plan.types import Transform
+
+    def halve(rows, first):
+        return (rows // 2).to(torch.int8)
+
+    for n in (3, 700):  # one call of fn, and several
+        rows = (torch.arange(n * 1024, dtype=torch.float32) % 90).reshape(n, 1024)
+        t = Transform(halve, 1, 1, "test", torch.float32, tuple(rows.shape))
+        out = t.rows_of(rows, 5, shift)
+        assert out.data_ptr() % ALIGN == shift, (n, out.data_ptr() % ALIGN)
+        assert torch.equal(out, (rows // 2).to(torch.int8))
+    wide = Transform(lambda rows, first: rows * 2, 1, 1, "test", torch.float32, (3, 8))
+    got = wide.rows_of(torch.ones(3, 8), 0, 1)  # (a float32 cannot start at an odd address)
+    assert torch.equal(got, torch.full((3, 8), 2.0))
+
+
+def test_a_computed_message_is_staged_where_its_direct_write_wants_it():
+    from distributed_ext._direct_io import ALIGN
+    from distributed_ext.export.plan.blocks import Block
+    from distributed_ext.export.plan.types import Entry, Piece, Transform
+    from distributed_ext.export.transport.stager import _Stager
+
+    source = (torch.arange(64 * 512, dtype=torch.float32) % 100).reshape(64, 512)
+    t = Transform(lambda rows, first: rows.to(torch.int8), 1, 1, "test",
+                  torch.float32, (64, 512))
+    entry = Entry("w", torch.int8, (64, 512), transform=t, source="w")
+    piece = Piece(0, Block((0, 0), (64, 512)), 64 * 512, "w", src=Block((0, 0), (64, 512)))
+    stager = _Stager({"w": source}, 2**20, torch.device("cpu"), None)
+    for start, n, shift in ((0, 64 * 512, 3), (1024, 4096, 2048), (700, 100, 0)):
+        data, _keep = stager.stage([(entry, piece, start, n)], 0, shift)
+        assert data.data_ptr() % ALIGN == shift, (start, shift)
+        want = source.to(torch.int8).reshape(-1)[start : start + n]
+        assert torch.equal(data.view(torch.int8), want), (start, shift)

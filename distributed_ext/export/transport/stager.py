@@ -32,17 +32,19 @@ def _piece_tensor(state: dict[str, torch.Tensor], entry: Entry, piece: Piece) ->
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _computed_bytes(source: torch.Tensor, entry: Entry, piece: Piece, s: int, n: int
-                    ) -> torch.Tensor:
+def _computed_bytes(source: torch.Tensor, entry: Entry, piece: Piece, s: int, n: int,
+                    shift: int | None = None) -> torch.Tensor:
     """Bytes ``s .. s + n`` of a computed piece, computed from only the rows of its source
     block (``source``) that make them: a message's worth at a time, whatever the block (a
-    quantized weight's shard is never computed whole)."""
+    quantized weight's shard is never computed whole). ``shift``: the bytes start at an
+    address of ``shift`` (mod ``ALIGN``: :meth:`Transform.rows_of`)."""
     t = entry.transform
     assert t is not None and piece.src is not None
     group = math.prod(piece.block.shape[1:]) * entry.dtype.itemsize * t.out_rows
     first, last = s // group, -(-(s + n) // group)  # groups of written rows
-    out = t.rows_of(source[first * t.step : last * t.step], piece.src.offset[0] + first * t.step)
     at = s - first * group
+    out = t.rows_of(source[first * t.step : last * t.step], piece.src.offset[0] + first * t.step,
+                    None if shift is None else (shift - at) % _direct_io.ALIGN)
     return _flat_bytes(out if out.is_contiguous() else out.contiguous())[at : at + n]
 
 
@@ -180,8 +182,10 @@ class _Stager:
             if packed is not None:
                 return packed, None
         n = _message_nbytes(message)
-        # Each segment as (a tensor, the segment's first byte in it).
-        sources = [self._segment(e, p, s, m) for e, p, s, m in message]
+        # Each segment as (a tensor, the segment's first byte in it); a message that is one
+        # computed segment is computed at the address its direct write wants.
+        alone = shift if len(message) == 1 and self.link.type == "cpu" else None
+        sources = [self._segment(e, p, s, m, alone) for e, p, s, m in message]
         if self.failure is not None:
             return self._failed_bytes(slot, n), None
         if len(message) == 1 and sources[0][0].device.type == self.link.type:
@@ -206,17 +210,19 @@ class _Stager:
                 at += m
         return out, None
 
-    def _segment(self, e: Entry, p: Piece, s: int, n: int) -> tuple[torch.Tensor, int]:
+    def _segment(self, e: Entry, p: Piece, s: int, n: int, shift: int | None = None
+                 ) -> tuple[torch.Tensor, int]:
         """A segment's bytes: the piece (:meth:`_bytes`) and ``s``; for a computed piece,
-        the ``n`` bytes themselves (:func:`_computed_bytes`) and 0. After a failure, an
-        empty tensor (the message is then sent as zeros)."""
+        the ``n`` bytes themselves (:func:`_computed_bytes`, at an address of ``shift``
+        where one is given) and 0. After a failure, an empty tensor (the message is then
+        sent as zeros)."""
         data = self._bytes(e, p)
         if data is None:
             return torch.empty(0, dtype=torch.uint8), 0
         if e.transform is None:
             return data, s
         try:
-            return _computed_bytes(data, e, p, s, n), 0
+            return _computed_bytes(data, e, p, s, n, shift), 0
         except BaseException as exc:  # noqa: BLE001 - agreed after the stream ends
             self.failure = exc
             return torch.empty(0, dtype=torch.uint8), 0
