@@ -200,7 +200,7 @@ def test_a_transform_computes_rows_a_few_mib_at_a_time_at_the_sources_own_cuts()
 def test_a_transform_computes_its_rows_at_the_address_a_direct_write_wants(shift):
     # A rank's quantized rows are most of what it writes: computed where the file offset's
     # alignment wants them, a direct write takes them without the bounce copy.
-    from distributed_ext._direct_io import ALIGN
+    from distributed_ext._direct_io import ALIGN, aligned_empty
     from distributed_ext.export.plan.types import Transform
 
     def halve(rows, first):
@@ -209,11 +209,12 @@ def test_a_transform_computes_its_rows_at_the_address_a_direct_write_wants(shift
     for n in (3, 700):  # one call of fn, and several
         rows = (torch.arange(n * 1024, dtype=torch.float32) % 90).reshape(n, 1024)
         t = Transform(halve, 1, 1, "test", torch.float32, tuple(rows.shape))
-        out = t.rows_of(rows, 5, shift)
+        out = t.rows_of(rows, 5, lambda nbytes: aligned_empty(nbytes, shift))
         assert out.data_ptr() % ALIGN == shift, (n, out.data_ptr() % ALIGN)
         assert torch.equal(out, (rows // 2).to(torch.int8))
     wide = Transform(lambda rows, first: rows * 2, 1, 1, "test", torch.float32, (3, 8))
-    got = wide.rows_of(torch.ones(3, 8), 0, 1)  # (a float32 cannot start at an odd address)
+    # (a float32 cannot start at an odd address: computed where torch puts it)
+    got = wide.rows_of(torch.ones(3, 8), 0, lambda nbytes: aligned_empty(nbytes, 1))
     assert torch.equal(got, torch.full((3, 8), 2.0))
 
 

@@ -80,6 +80,14 @@ class _Unit:
     total: int
 
 
+@dataclass(frozen=True)
+class _Linear:
+    """A quantized linear (a source of :func:`_sources`) and its ModelOpt format."""
+
+    module: nn.Module
+    fmt: str
+
+
 def _format(weight_quantizer: nn.Module, input_quantizer: nn.Module | None) -> str | None:
     from modelopt.torch.export.model_config import QUANTIZATION_NONE
     from modelopt.torch.export.quant_utils import get_quantization_format
@@ -94,8 +102,8 @@ def _format(weight_quantizer: nn.Module, input_quantizer: nn.Module | None) -> s
 
 
 def _sources(model: nn.Module) -> dict[str, Any]:
-    """The quantized in-memory weights (key -> a linear module, or (fused experts module,
-    projection attribute)). Empty where ModelOpt was never imported."""
+    """The quantized in-memory weights (key -> a linear module with its format, or (fused
+    experts module, projection attribute)). Empty where ModelOpt was never imported."""
     if not modelopt_loaded():
         return {}
     out: dict[str, Any] = {}
@@ -109,8 +117,10 @@ def _sources(model: nn.Module) -> dict[str, Any]:
             continue
         wq = getattr(module, "weight_quantizer", None)
         if isinstance(wq, nn.Module) and isinstance(getattr(module, "weight", None), torch.Tensor):
-            if _format(wq, getattr(module, "input_quantizer", None)) is not None:
-                out[prefix + "weight"] = module
+            # (asked of ModelOpt once: its probe of a module is most of this walk's cost)
+            fmt = _format(wq, getattr(module, "input_quantizer", None))
+            if fmt is not None:
+                out[prefix + "weight"] = _Linear(module, fmt)
     return out
 
 
@@ -289,17 +299,17 @@ def _unit_of(w: _keys.Written, sources: dict[str, Any], held: dict[str, tuple]) 
                          "not one box of it; export_hf_checkpoint cannot quantize it by rows: "
                          "export it with modelopt.torch.export.export_hf_checkpoint")
     part = w.parts[0]
-    if isinstance(source, nn.Module):  # a linear: its whole weight, as it is
+    if isinstance(source, _Linear):  # a linear: its whole weight, as it is
+        module = source.module
         if len(src_shape) != 2 or part.shape != src_shape or any(part.src_start) \
                 or part.src_dims != (0, 1):
             raise ValueError(f"{w.key!r}: a quantized weight of shape {list(src_shape)} "
                              "written converted; export_hf_checkpoint quantizes 2-D linear "
                              "weights written as they are held")
         name = key[: -len(".weight")] if key.endswith(".weight") else ""
-        return _Unit(name, _format(source.weight_quantizer,
-                                   getattr(source, "input_quantizer", None)),
-                     source.weight_quantizer, getattr(source, "input_quantizer", None),
-                     getattr(source, "output_quantizer", None), 0, src_shape[0])
+        return _Unit(name, source.fmt, module.weight_quantizer,
+                     getattr(module, "input_quantizer", None),
+                     getattr(module, "output_quantizer", None), 0, src_shape[0])
     module, attr = source  # fused experts [E, rows, cols]: one expert's rows, every column
     if len(src_shape) != 3 or part.src_dims != (1, 2) or part.shape[1] != src_shape[2]:
         raise ValueError(f"{w.key!r}: written from the fused experts {key!r} "

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distributed_ext._direct_io import aligned_empty
 from distributed_ext.export.plan.blocks import Block, Runs, _piece_runs
 
 
@@ -31,36 +30,37 @@ class Transform:
     source_dtype: torch.dtype  # the tensor the rows are of (as transformers would write it)
     source_shape: tuple[int, ...]
 
-    def rows_of(self, rows: torch.Tensor, first: int, shift: int | None = None
-                ) -> torch.Tensor:
+    def rows_of(self, rows: torch.Tensor, first: int,
+                empty: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
         """``fn`` of ``rows`` (source rows ``first ..``), computed ``TRANSFORM_BYTES`` of them
         at a time into one output: the arithmetic's temporaries (several float32 copies, in
         ModelOpt's) stay those of a few MiB however many rows are asked for. (Computing a
         message's rows in one call where ``fn`` holds no temporaries -- the FP8 table -- was
         measured and not kept: each output then a fresh 1.4 MiB allocation, glibc's heap grew
-        a sender's peak RSS from 34-36 to 100-109 MiB at 1 GiB.) ``shift``: the output
-        starts at an address of ``shift`` (mod ``_direct_io.ALIGN``), so that a direct write
-        of it to a file offset with that shift takes it without a bounce copy (on a disk, a
-        quantized weight's bytes are 90 % of what a rank writes)."""
+        a sender's peak RSS from 34-36 to 100-109 MiB at 1 GiB.) ``empty(nbytes)``: the
+        output's bytes (uint8, on the host), where the caller wants them: at the address a
+        direct write takes without a bounce copy (on a disk, a quantized weight's bytes are
+        90 % of what a rank writes). Not used where an element would straddle it."""
         n = rows.shape[0]
         row_bytes = rows[:1].numel() * rows.element_size()
         chunk = max(self.step, TRANSFORM_BYTES // max(row_bytes, 1) // self.step * self.step)
         # Cut where the source's own multiples of ``chunk`` fall (wherever ``first`` is), so
         # that two tensors computed from the same rows ask ``fn`` for the same row ranges.
         cuts = [0, *range(-first % chunk or chunk, n, chunk), n]
-        if len(cuts) == 2 and shift is None:
+        if len(cuts) == 2 and empty is None:
             return self.fn(rows, first)
         out: torch.Tensor | None = None
         for a, b in zip(cuts, cuts[1:]):
             part = self.fn(rows[a:b], first + a)
             if out is None:
                 shape = (n // self.step * self.out_rows, *part.shape[1:])
-                # (an element split across the alignment: a view of the bytes cannot hold it)
-                if shift is None or part.device.type != "cpu" or shift % part.element_size():
+                raw = None
+                if empty is not None and part.device.type == "cpu":
+                    raw = empty(math.prod(shape) * part.element_size())
+                if raw is None or raw.data_ptr() % part.element_size():
                     out = torch.empty(shape, dtype=part.dtype, device=part.device)
                 else:
-                    nbytes = math.prod(shape) * part.element_size()
-                    out = aligned_empty(nbytes, shift).view(part.dtype).view(shape)
+                    out = raw.view(part.dtype).view(shape)
             at = a // self.step * self.out_rows
             out[at : at + part.shape[0]] = part
         assert out is not None

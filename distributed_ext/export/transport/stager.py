@@ -37,14 +37,17 @@ def _computed_bytes(source: torch.Tensor, entry: Entry, piece: Piece, s: int, n:
     """Bytes ``s .. s + n`` of a computed piece, computed from only the rows of its source
     block (``source``) that make them: a message's worth at a time, whatever the block (a
     quantized weight's shard is never computed whole). ``shift``: the bytes start at an
-    address of ``shift`` (mod ``ALIGN``: :meth:`Transform.rows_of`)."""
+    address of ``shift`` (mod ``ALIGN``), where the rows' dtype allows
+    (:meth:`Transform.rows_of`)."""
     t = entry.transform
     assert t is not None and piece.src is not None
     group = math.prod(piece.block.shape[1:]) * entry.dtype.itemsize * t.out_rows
     first, last = s // group, -(-(s + n) // group)  # groups of written rows
     at = s - first * group
+    empty = None if shift is None else (
+        lambda nbytes: _direct_io.aligned_empty(nbytes, (shift - at) % _direct_io.ALIGN))
     out = t.rows_of(source[first * t.step : last * t.step], piece.src.offset[0] + first * t.step,
-                    None if shift is None else (shift - at) % _direct_io.ALIGN)
+                    empty)
     return _flat_bytes(out if out.is_contiguous() else out.contiguous())[at : at + n]
 
 
