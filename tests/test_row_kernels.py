@@ -86,6 +86,46 @@ def test_nvfp4_kernel_equals_modelopts_arithmetic_on_every_value():
     assert assert_all_ok(run_ranks(_compare_nvfp4, 1, init=False, timeout=240)) == [[]]
 
 
+def _compare_nvfp4_scale_boundaries() -> list[str]:
+    # Each block's E4M3 scale is the rounding of amax / (6 * scale_2): with scale_2 = 1/6
+    # (a divisor of exactly 1) and float32 rows, the blocks' amax are set to every E4M3
+    # value, every midpoint between two and the float32 values either side of it (round
+    # half to even), the subnormal scales, the clamp at both ends, zero and the infinities.
+    warnings.filterwarnings("ignore")
+    from distributed_ext._native import nvfp4_rows, nvfp4_scales
+
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (codes[1:] + codes[:-1]) / 2
+    amax = torch.cat([codes, mids, torch.nextafter(mids, torch.tensor(0.0)),
+                      torch.nextafter(mids, torch.tensor(1e9)), torch.tensor(
+                          [1e-12, 2.0**-12, 2.0**-10, 460.0, 479.9, 480.0, 1e6,
+                           float("inf"), 0.0])])
+    g = torch.Generator().manual_seed(6)
+    blocks = torch.rand(amax.numel(), 16, generator=g) * amax[:, None]
+    blocks[:, 0] = amax  # the block's amax
+    blocks = blocks[:, torch.randperm(16, generator=g)]  # (not always the first value)
+    blocks *= torch.where(torch.rand(blocks.shape, generator=g) < 0.5, -1.0, 1.0)
+    blocks = torch.nan_to_num(blocks, nan=0.0)  # (inf * 0: no NaN wanted here)
+    pad = -blocks.shape[0] % 32
+    rows = torch.cat([blocks, blocks[:pad]]).reshape(-1, 32 * 16)
+    wrong = []
+    for s2 in (torch.tensor(1 / 6, dtype=torch.float32), torch.tensor(3.7e-3)):
+        ref = _modelopt_nvfp4(rows, s2)
+        packed, scales = nvfp4_rows(rows, float(s2), 16)
+        if not torch.equal(scales, ref["weight_scale"].view(torch.uint8)):
+            wrong.append(f"{float(s2)}: block scales")
+        if not torch.equal(packed, ref["weight"]):
+            wrong.append(f"{float(s2)}: codes")
+        if not torch.equal(nvfp4_scales(rows, float(s2), 16), scales):
+            wrong.append(f"{float(s2)}: the scales alone")
+    return wrong
+
+
+def test_nvfp4_kernel_rounds_block_scales_as_modelopt_at_every_e4m3_boundary():
+    assert assert_all_ok(run_ranks(_compare_nvfp4_scale_boundaries, 1, init=False,
+                                   timeout=120)) == [[]]
+
+
 def _compare_nvfp4_other_blocks() -> list[str]:
     # NVFP4's block is 16 (a path compiled for it); any other even block takes the general
     # path: the same arithmetic, compared here with ModelOpt's at 8 and 32.
