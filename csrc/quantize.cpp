@@ -273,16 +273,22 @@ void run_nvfp4(const char* what, const at::Tensor& src, double scale_2, int64_t 
 
 namespace {
 
-// One INT4 code per value of a group (``n`` values, one scale), branch-free so that the
-// loop vectorizes: x / scale in float32 (IEEE division, as torch's), rounded half to even
-// (torch.round), clamped to [-8, 7] (torch.clamp; a NaN stays NaN, and its int8 cast is 0
-// here, as torch's on this CPU: tests/test_row_kernels.py compares every bf16/fp16 value,
-// NaNs included).
+// One INT4 code per value of a group (``n`` values, one scale): x / scale in float32 (IEEE
+// division, as torch's), rounded as torch.round does (``nearbyint``: in the current rounding
+// mode, half to even by default; ``rint`` here, which the compiler vectorizes where it does
+// not ``roundeven``), clamped to [-8, 7]
+// (torch.clamp; a NaN stays NaN, and its int8 cast is 0 here, as torch's on this CPU:
+// tests/test_row_kernels.py compares every bf16/fp16 value, NaNs included). The clamp of
+// the whole number q is -8 plus the count of the half-integers -7.5 .. 6.5 it reaches, and a
+// NaN (which reaches none) gets 8 more: comparisons summed as integers, which the compiler
+// vectorizes, where it keeps a select of floats as branches (bf16 rows of 4096 x 4096, one
+// thread: 1.40-1.46 GiB/s; 0.73-0.96 with roundeven and the selects, scalar).
 inline void int4_codes(const float* x, int64_t n, float scale, int8_t* code) {
   for (int64_t j = 0; j < n; ++j) {
-    const float q = __builtin_roundevenf(x[j] / scale);
-    const float c = std::min(std::max(q, -8.0f), 7.0f);
-    code[j] = (q == q) ? static_cast<int8_t>(static_cast<int>(c)) : int8_t{0};
+    const float q = __builtin_rintf(x[j] / scale);
+    int c = -8 + 8 * (q != q);
+    for (int b = 0; b < 15; ++b) c += q >= static_cast<float>(b) - 7.5f;
+    code[j] = static_cast<int8_t>(c);
   }
 }
 
