@@ -57,12 +57,6 @@ inline uint8_t fp4_code(float v) {
   return static_cast<uint8_t>(((v < 0.0f) << 3) + ord + tie);
 }
 
-// torch.clamp(x, lo, hi) on float32: NaN stays NaN.
-inline float clamp_like_torch(float x, float lo, float hi) {
-  if (std::isnan(x)) return x;
-  return std::min(std::max(x, lo), hi);
-}
-
 inline float to_float(c10::BFloat16 x) {  // (exact: the upper half of a float32)
   const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;

@@ -40,7 +40,8 @@ class Transform:
         a sender's peak RSS from 34-36 to 100-109 MiB at 1 GiB.) ``empty(nbytes)``: the
         output's bytes (uint8, on the host), where the caller wants them: at the address a
         direct write takes without a bounce copy (on a disk, a quantized weight's bytes are
-        90 % of what a rank writes). Not used where an element would straddle it."""
+        90 % of what a rank writes); where that address is not a multiple of the output's
+        element size, the output goes where torch puts it instead."""
         n = rows.shape[0]
         row_bytes = rows[:1].numel() * rows.element_size()
         chunk = max(self.step, TRANSFORM_BYTES // max(row_bytes, 1) // self.step * self.step)
