@@ -82,8 +82,6 @@ def _compare_nvfp4() -> list[str]:
     return wrong
 
 
-
-
 def _compare_nvfp4_scale_boundaries() -> list[str]:
     # Each block's E4M3 scale is the rounding of amax / (6 * scale_2): with scale_2 = 1/6
     # (a divisor of exactly 1) and float32 rows, the blocks' amax are set to every E4M3
@@ -103,7 +101,8 @@ def _compare_nvfp4_scale_boundaries() -> list[str]:
     blocks[:, 0] = amax  # the block's amax
     blocks = blocks[:, torch.randperm(16, generator=g)]  # (not always the first value)
     blocks *= torch.where(torch.rand(blocks.shape, generator=g) < 0.5, -1.0, 1.0)
-    blocks = torch.nan_to_num(blocks, nan=0.0)  # (inf * 0: no NaN wanted here)
+    # (inf * 0: no NaN wanted here; the infinities kept)
+    blocks = torch.nan_to_num(blocks, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
     pad = -blocks.shape[0] % 32
     rows = torch.cat([blocks, blocks[:pad]]).reshape(-1, 32 * 16)
     wrong = []
