@@ -176,10 +176,12 @@ class _Stager:
                                           dtype=torch.uint8)
         return _direct_io.place(self.host_slots[slot], n, shift)
 
-    def stage(self, message: list[Segment], slot: int, shift: int = 0
+    def stage(self, message: list[Segment], slot: int, shift: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The message's bytes, and what must stay alive while they are read (a piece's own
-        memory sent without a copy). ``shift``: the address alignment wanted of a slot."""
+        memory sent without a copy). ``shift``: the address (mod ``ALIGN``) a write of them
+        to the files wants (None: they are sent, any address will do)."""
+        want, shift = shift, shift or 0
         if len(message) > 1 and self.link.type == "cpu" and self.failure is None:
             packed = self._pack_whole_blocks(message, slot, shift)
             if packed is not None:
@@ -187,7 +189,7 @@ class _Stager:
         n = _message_nbytes(message)
         # Each segment as (a tensor, the segment's first byte in it); a message that is one
         # computed segment is computed at the address its direct write wants.
-        alone = shift if len(message) == 1 and self.link.type == "cpu" else None
+        alone = want if len(message) == 1 and self.link.type == "cpu" else None
         sources = [self._segment(e, p, s, m, alone) for e, p, s, m in message]
         if self.failure is not None:
             return self._failed_bytes(slot, n), None
