@@ -37,13 +37,46 @@ def test_every_written_tensor_is_the_boxes_revert_weight_conversion_takes(family
     state = model.state_dict()
     reference = revert_weight_conversion(model, dict(state))
     written = _keys.resolve_written(model, _held(state))
-    assert sorted(w.key for w in written) == sorted(reference)
+    assert [w.key for w in written] == list(reference)  # (its order too)
     for w in written:
         assert w.unstreamable is None, (w.key, w.unstreamable)
         assert w.shape == tuple(reference[w.key].shape) and w.dtype == reference[w.key].dtype
         assert torch.equal(_assemble(w, state), reference[w.key]), w.key
     if family in ("llama", "qwen2-tied"):  # no conversion: every key as it is
         assert all(len(w.parts) == 1 and w.parts[0].source == w.key for w in written)
+
+
+def _with_scales(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with keys as a ModelOpt-quantized model's export adds them: scales beside
+    each 2-D weight, per-expert scales under the hub's names, quantizer buffers."""
+    out = dict(state)
+    for key, value in state.items():
+        prefix = key.removesuffix("weight")
+        if value.dim() == 2 and key.endswith("weight"):
+            out[prefix + "weight_scale"] = torch.ones(())
+            out[prefix + "input_scale"] = torch.ones(())
+            out[prefix + "weight_quantizer._amax"] = torch.ones(())
+        if value.dim() == 3:  # fused experts
+            for e in range(value.shape[0]):
+                out[f"{key}_weight_quantizers.{e}._amax"] = torch.ones(())
+                out[f"{key.rpartition('.')[0]}.{e}.gate_proj.weight_scale"] = torch.ones(())
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_keys_only_renamed_are_resolved_as_the_whole_function_does(family):
+    # Transformers' function is run only on the keys its converters take (every other key
+    # through the renamings): the same tensors, boxes and order as running it on every key.
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = build(family)
+    state = _with_scales(model.state_dict())
+    held = _held(state)
+    whole = _keys._traced_revert(model, held)
+    assert _keys.resolve_written(model, held) == whole
+    assert [w.key for w in whole] == list(revert_weight_conversion(model, dict(state)))
+    if _keys.has_conversions(model):
+        assert _keys._converted_apart(model, held) == whole  # (not the fallback: None)
 
 
 def _with_conversions(model, conversions):
