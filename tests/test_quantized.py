@@ -90,14 +90,20 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
     import torch.distributed as dist
 
     import distributed_ext as dx
+    from distributed_ext.export.plan import quantized
 
+    probed: list[str] = []  # (the weights this rank asks ModelOpt to probe)
+    probe = quantized._probe
+    quantized._probe = lambda w, *args: probed.append(w.key) or probe(w, *args)
+    out: dict = {"probed": {}}
     for family, fmt in cases:
         model = _quantized(family, fmt)
         dx.fsdp2_wrap(model)
+        probed.clear()
         dx.export_hf_checkpoint(model, os.path.join(base, "ours", family, fmt), writers=writers)
+        out["probed"][family, fmt] = list(probed)
         if ram is not None:
             dx.export_hf_checkpoint(model, os.path.join(ram, family, fmt), writers="all")
-    out = {}
     if ram is not None and dist.get_rank() == 0:
         shutil.move(ram, os.path.join(base, "mapped"))
     if dist.get_world_size() == 2:  # rank 1 calibrated otherwise: agreed, refused
@@ -165,6 +171,12 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, r
         for name in ("hf_quant_config.json", "config.json"):
             with open(os.path.join(ref_dir, name)) as f, open(os.path.join(our_dir, name)) as g:
                 assert json.load(g) == json.load(f), (fmt, name)
+        # ModelOpt's probe of each quantized weight ran once, on one rank, each rank a share.
+        quantized = {k for k in ours if k.endswith(".weight") and
+                     k.removesuffix("weight") + "weight_scale" in ours}
+        probed = [r["probed"][family, fmt] for r in results]
+        assert sorted(k for keys in probed for k in keys) == sorted(quantized), fmt
+        assert max(map(len, probed)) <= -(-len(quantized) // world), (fmt, probed)
     alone = hf_models.read_checkpoint(os.path.join(modelopt_refs, "alone"))
     ref = hf_models.read_checkpoint(os.path.join(modelopt_refs, "ref", *CASES[0]))
     assert sorted(alone) == sorted(ref) and all(_same_bytes(ref[k], alone[k]) for k in ref)
@@ -225,3 +237,28 @@ def test_a_quantized_export_holds_a_few_chunks_more_than_a_plain_one(fmt, tmp_pa
         assert quantized - plain < 3 * CHUNK + 24 * 2**20, (plain / 2**20, quantized / 2**20)
     written = hf_models.read_checkpoint(str(tmp_path / "quantized"))
     assert written["model.layers.0.mlp.gate_proj.weight"].shape[0] == 16384
+
+
+def _export_twice_with_an_expert_turned_on(base: str) -> None:
+    """One process: a quantized MoE with one expert's down projection's weight quantizer
+    disabled, exported; the quantizer enabled again, exported again (what an export
+    remembers of the model is forgotten by the next)."""
+    import distributed_ext as dx
+
+    model = _quantized("qwen3-moe", "FP8_DEFAULT_CFG")
+    quantizer = model.model.layers[0].mlp.experts.down_proj_weight_quantizers[3]
+    quantizer.disable()
+    dx.export_hf_checkpoint(model, os.path.join(base, "before"))
+    quantizer.enable()
+    dx.export_hf_checkpoint(model, os.path.join(base, "after"))
+
+
+def test_a_second_export_sees_the_quantizers_as_they_are_then(tmp_path):
+    assert_all_ok(run_ranks(_export_twice_with_an_expert_turned_on, 1, str(tmp_path),
+                            init=False, timeout=300))
+    before = hf_models.read_checkpoint(str(tmp_path / "before"))
+    after = hf_models.read_checkpoint(str(tmp_path / "after"))
+    off, on = (f"model.layers.0.mlp.experts.{e}.down_proj." for e in (3, 2))
+    assert before[off + "weight"].dtype == torch.bfloat16 and off + "weight_scale" not in before
+    assert before[on + "weight"].dtype == torch.float8_e4m3fn and on + "weight_scale" in before
+    assert after[off + "weight"].dtype == torch.float8_e4m3fn and off + "weight_scale" in after

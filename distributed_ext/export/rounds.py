@@ -1,5 +1,8 @@
 """The rounds of an export (:func:`_export`), on every rank of the group:
 
+0. For a model ModelOpt quantized (:func:`_fuse_quantized`): its shared-input layers fused,
+   and each quantized weight probed by one rank (ModelOpt's export of a few rows of it:
+   its global scales, the written dtypes and shapes), every rank getting every probe.
 1. Metadata round (``all_reduce``): each rank describes its in-memory entries as compact
    tables -- per key an index into a few distinct signatures (dtype, global shape, and for
    a DTensor its placements and mesh), and the keys themselves only where ranks hold
@@ -91,6 +94,10 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     ``make_sink`` then gets its JSON files.
     """
 
+    probes: dict[str, _quantized.Probe] | None = None  # (every rank's share: _fuse_quantized)
+    _keys.forget()  # (what an earlier export remembered: the model may have changed since)
+    _quantized.forget()
+
     def resolve_chunk() -> int:
         chunk = EXPORT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
@@ -123,7 +130,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         quantized = None
         if quantize and hub_keys and model is not None:
             # (state rewritten as ModelOpt writes it; a format not written by blocks raises)
-            quantized = _quantized.prepare(model, state)
+            quantized = _quantized.prepare(model, state, probes=probes)
         recorded = recorded_plan(model) if model is not None else None
         # Each key's local block, looked up once here: the transfer reads these.
         local: dict[str, torch.Tensor] = {}
@@ -172,7 +179,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         return sink, model
     ctx = _agree.resolve_group(group, what)
     if quantize and hub_keys and isinstance(model_or_state, nn.Module):
-        _fuse_quantized(unwrap(model_or_state), group, what)
+        probes = _fuse_quantized(unwrap(model_or_state), group, what, ctx.rank, ctx.size)
     with _watch.DeferredInterrupts() as deferred:
         held = {}
         summaries = all_reduce(f"{what}: metadata", lambda: describe(held), list, group)
@@ -271,7 +278,8 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     return sink, model
 
 
-def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str) -> None:
+def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str,
+                    index: int = 0, count: int = 1) -> dict[str, _quantized.Probe] | None:
     """ModelOpt's fusing of the shared-input layers of a model quantized with pre-quant scales
     (AWQ, SmoothQuant), which rescales their weights (:func:`plan.shared_inputs.needs_gather`):
     first agreed by every rank (a model quantized so on some ranks only is a ValueError on
@@ -280,13 +288,28 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     round, then applied by every rank, its outcome agreed; no weight gathered). Where that
     cannot be done by rows (on any rank), ModelOpt's own function runs on every rank instead
     (its forward and weight updates, collective under FSDP2) and its outcome is agreed.
-    Every other format is fused by each rank alone, in the metadata round. (ModelOpt's
+    Every other format is fused by each rank alone, in the first round. (ModelOpt's
     forward is the one step here whose collectives are not ours: a rank that fails inside it
-    leaves its peers in that collective until the watch or the group's timeout names it.)"""
-    flags = all_reduce(f"{what}: quantized layers", lambda: _shared_inputs.needs_gather(model),
-                       list, group)
+    leaves its peers in that collective until the watch or the group's timeout names it.)
+
+    Returns every quantized weight's probe (:func:`plan.quantized.probe_share`), each rank
+    (group rank ``index`` of ``count``) computing its share once the layers are fused: in
+    the first round, else in one more; None for a model ModelOpt did not quantize on any
+    rank, and where ``count`` is 1 (then :func:`plan.quantized.prepare` probes them all)."""
+    def share() -> dict[str, _quantized.Probe] | None:
+        if count == 1:  # (prepare probes them all: the same, with no second look at them)
+            return None
+        return _quantized.probe_share(model, resolve_state(model)[0], index, count)
+
+    def first() -> tuple[bool, dict[str, _quantized.Probe] | None]:
+        if _shared_inputs.needs_gather(model):
+            return True, None
+        return False, share()
+
+    got = all_reduce(f"{what}: quantized layers", first, list, group)
+    flags = [flag for flag, _probes in got]
     if not any(flags):
-        return
+        return _merge_probes([probes for _flag, probes in got])
     if not all(flags):
         ranks = [r for r, f in enumerate(flags) if not f]
         raise ValueError(f"{what}: the model has ModelOpt's pre-quant scales (AWQ, SmoothQuant) "
@@ -298,9 +321,21 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     if all(p is not None for p in pieces):
         all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
                    lambda: resmooth.apply(pieces), list, group)
-        return
-    all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
-               lambda: _shared_inputs.fuse_shared_inputs(model), list, group)
+    else:
+        all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
+                   lambda: _shared_inputs.fuse_shared_inputs(model), list, group)
+    return _merge_probes(all_reduce(f"{what}: the quantized weights' probes, each rank its "
+                                    "share", share, list, group))
+
+
+def _merge_probes(shares: list[dict[str, _quantized.Probe] | None]
+                  ) -> dict[str, _quantized.Probe] | None:
+    """The ranks' shares of the probes as one dict (a weight no share has is probed where it
+    is planned); None where no rank probed (then ModelOpt's steps before it quantizes run in
+    :func:`plan.quantized.prepare`)."""
+    if all(share is None for share in shares):
+        return None
+    return {k: v for share in shares if share is not None for k, v in share.items()}
 
 
 def resolve_described(summaries: list[Described], mine: Described, what: str,

@@ -330,8 +330,14 @@ def _converted_apart(model: Any, held: dict[str, tuple[torch.dtype, tuple[int, .
 
 
 # The last model's converted keys and what they were traced to (an export resolves the same
-# converted keys twice: a quantized model's weights before its scales are known, then all).
+# converted keys more than once: a quantized model's weights before its scales are known,
+# then all); forgotten at the start of each export (:func:`forget`).
 _LAST_TRACED: list[tuple[Any, Any, tuple, list[Written]]] = []
+
+
+def forget() -> None:
+    """Drops what an earlier export remembered (a conversion registered since then counts)."""
+    _LAST_TRACED.clear()
 
 
 def _traced_revert_once(model: Any, held: dict[str, tuple[torch.dtype, tuple[int, ...]]]

@@ -331,31 +331,50 @@ def _unit_of(w: _keys.Written, sources: dict[str, Any], held: dict[str, tuple]) 
                  src_shape[1])
 
 
-def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = None
-            ) -> Quantized | None:
-    """For a model ModelOpt quantized: ``state`` rewritten in place as ModelOpt's export
-    writes it (its quantizers' buffers dropped or renamed -- ``pre_quant_scale``, KV cache
-    scales --, each quantized weight's global scales added as small tensors under their
-    written keys) and the tensors computed in place of its weights (:class:`Quantized`);
-    None for any other model (``state`` untouched). ValueError naming the module and the
-    format where a weight is not written from the shards. Runs ModelOpt's own steps before
-    it quantizes, in place (:func:`plan.shared_inputs.sync_amax`), as its export does."""
-    sources = _sources(model)
-    if not sources:
-        return None
-    from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
-    from modelopt.torch.export.quant_utils import _postprocess_single_tensor, get_quant_config
+# A weight's probe (:func:`_probe`): ModelOpt's outputs of a few rows, in its order, each
+# (name, dtype, shape, bytes of a global output | None for a per-row one: its shape for
+# that many rows), and which outputs are per row. Plain data, not tensors: ranks hand each
+# other their share, and a tensor takes 0.1 ms to pickle and unpickle.
+Probe = tuple[list[tuple[str, torch.dtype, tuple[int, ...], "bytes | None"]], list[str]]
 
-    _KEPT.clear()  # (what an earlier export kept and did not take)
-    dtype = export_dtype(model)
-    if not needs_gather(model):  # (AWQ: fused before, by every rank together)
+
+def _ready(model: nn.Module, dtype: torch.dtype) -> None:
+    """ModelOpt's export's steps before it quantizes, on this rank's copy of the calibration
+    results, in place: the shared-input layers fused (AWQ's are fused before, by every rank
+    together: :func:`plan.shared_inputs.needs_gather`), then :func:`plan.shared_inputs.sync_amax`."""
+    if not needs_gather(model):
         fuse_shared_inputs(model)
     sync_amax(model, dtype)
-    held = {k: (v.dtype, tuple(v.shape)) for k, v in state.items()
-            if isinstance(v, torch.Tensor)}
-    out = Quantized()
-    digest: list[tuple] = []
-    extra: dict[str, torch.Tensor] = {}
+
+
+# The last model's held keys and their units (an export asks twice: its probes, its plan);
+# forgotten at the start of each export (:func:`forget`).
+_LAST_UNITS: list[tuple[Any, tuple, list]] = []
+
+
+def forget() -> None:
+    """Drops what an earlier export remembered (its units, its kept outputs): a model's
+    quantizers may change between two exports."""
+    _LAST_UNITS.clear()
+    _KEPT.clear()
+
+
+def _units(model: nn.Module, sources: dict[str, Any], held: dict[str, tuple],
+           converts: bool | None) -> list[tuple[_keys.Written, _Unit]]:
+    """Each written quantized weight and how ModelOpt exports it, in the written order (the
+    same on every rank that holds the same keys); ValueError naming the module and the
+    format where a weight is not written from the shards. The last answer is remembered
+    for the same model, sources and keys."""
+    import weakref
+
+    key = (tuple(held.items()), tuple(
+        (k, id(v.module), v.fmt) if isinstance(v, _Linear) else (k, id(v[0]), v[1])
+        for k, v in sources.items()))
+    if _LAST_UNITS:
+        ref, last_key, last = _LAST_UNITS[0]
+        if ref() is model and last_key == key:
+            return list(last)
+    units = []
     for w in _keys.resolve_written(model, held, converts):
         unit = _unit_of(w, sources, held)
         if unit is None:
@@ -366,7 +385,65 @@ def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = Non
                 f"export_hf_checkpoint does not write from the shards (it writes "
                 f"{', '.join(sorted(ROW_FORMATS))}); export it with "
                 "modelopt.torch.export.export_hf_checkpoint instead")
-        _plan_unit(w, unit, held[w.parts[0].source][0], dtype, out, extra, digest)
+        units.append((w, unit))
+    _LAST_UNITS[:] = [(weakref.ref(model), key, list(units))]
+    return units
+
+
+def probe_share(model: nn.Module, state: dict[str, Any], index: int, count: int
+                ) -> dict[str, Probe] | None:
+    """The probes of every ``count``-th quantized weight from the ``index``-th (by written
+    key), after ModelOpt's steps before it quantizes (:func:`_ready`, which :func:`prepare`
+    given these probes then skips); None for a model ModelOpt did not quantize. Each rank of
+    an export computes its share and every rank gets them all: a probe costs a few hundred
+    microseconds of ModelOpt's Python per weight, and a MoE has one weight per expert and
+    projection (18k for 48 layers of 128 experts). ValueError as :func:`prepare`'s."""
+    sources = _sources(model)
+    if not sources:
+        return None
+    dtype = export_dtype(model)
+    _ready(model, dtype)
+    held = _held(state)
+    return {w.key: _probe(w, unit, held[w.parts[0].source][0], dtype)
+            for i, (w, unit) in enumerate(_units(model, sources, held, None))
+            if i % count == index}
+
+
+def _held(state: dict[str, Any]) -> dict[str, tuple]:
+    return {k: (v.dtype, tuple(v.shape)) for k, v in state.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = None,
+            probes: dict[str, Probe] | None = None) -> Quantized | None:
+    """For a model ModelOpt quantized: ``state`` rewritten in place as ModelOpt's export
+    writes it (its quantizers' buffers dropped or renamed -- ``pre_quant_scale``, KV cache
+    scales --, each quantized weight's global scales added as small tensors under their
+    written keys) and the tensors computed in place of its weights (:class:`Quantized`);
+    None for any other model (``state`` untouched). ValueError naming the module and the
+    format where a weight is not written from the shards. Runs ModelOpt's own steps before
+    it quantizes, in place (:func:`_ready`), as its export does -- unless ``probes`` (every
+    rank's :func:`probe_share`, merged) are given: they ran there. A weight without a probe
+    is probed here."""
+    sources = _sources(model)
+    if not sources:
+        return None
+    from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
+    from modelopt.torch.export.quant_utils import _postprocess_single_tensor, get_quant_config
+
+    dtype = export_dtype(model)
+    if probes is None:
+        _ready(model, dtype)
+    held = _held(state)
+    out = Quantized()
+    digest: list[tuple] = []
+    extra: dict[str, torch.Tensor] = {}
+    for w, unit in _units(model, sources, held, converts):
+        weight_dtype = held[w.parts[0].source][0]
+        probe = None if probes is None else probes.get(w.key)
+        if probe is None:
+            probe = _probe(w, unit, weight_dtype, dtype)
+        _plan_unit(w, unit, weight_dtype, dtype, probe, out, extra, digest)
     quant_config = get_quant_config(model)
     kv_format = quant_config["quantization"].get("kv_cache_quant_algo")
     rewritten: dict[str, Any] = {}
@@ -416,11 +493,11 @@ def _kind(unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype, cols: int,
             shapes(wq), shapes(unit.input_quantizer), type(wq).__name__)
 
 
-def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype,
-               out: Quantized, extra: dict[str, torch.Tensor], digest: list[tuple]) -> None:
-    """One quantized weight: its global outputs into ``extra``, its per-row ones into
-    ``out.replaces``. Which is which: ModelOpt's export of ``2 * step`` and ``4 * step``
-    rows of ones (a per-row output grows with them)."""
+def _probe(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype
+           ) -> Probe:
+    """ModelOpt's export of ``2 * step`` rows of ones of a weight (all its rows where it has
+    under four blocks), and which of its outputs grow with the rows: those that differ from
+    its export of ``4 * step`` rows (asked once per kind of weight, :func:`_kind`)."""
     shape = w.shape
     step = ROW_FORMATS[unit.fmt]
     total = shape[0]
@@ -443,6 +520,25 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
         per_row = [k for k, small in one.items() if k == "weight" or (small.dim() > 0 and (
             two[k].shape != small.shape or two is one))]
         _PER_ROW[kind] = per_row
+    return ([(k, v.dtype, tuple(v.shape), None if k in per_row else
+              v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+             for k, v in one.items()], list(per_row))
+
+
+def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype,
+               probe: Probe, out: Quantized, extra: dict[str, torch.Tensor],
+               digest: list[tuple]) -> None:
+    """One quantized weight, from its probe: its global outputs into ``extra``, its per-row
+    ones into ``out.replaces``."""
+    outputs, per_row = probe
+    shape = w.shape
+    step = ROW_FORMATS[unit.fmt]
+    total = shape[0]
+    probe_rows = 2 * step if 4 * step <= total else total
+    # (a per-row output's dtype and shape for the probe's rows, as a tensor of no storage)
+    one = {k: torch.empty(shape, dtype=dt, device="meta") if data is None else
+           torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(shape)
+           if data else torch.empty(shape, dtype=dt) for k, dt, shape, data in outputs}
     prefix = w.key.removesuffix("weight")
     what = f"{unit.name} ({unit.fmt})"
     token = next(_TOKENS)  # (this weight's rows, in the kept outputs' keys)
@@ -451,11 +547,11 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
                      lambda rows, first: _weight_scale_rows(unit, rows, first), total)
     for suffix, small in one.items():
         if suffix not in per_row:
-            extra[prefix + suffix] = small.contiguous()
+            extra[prefix + suffix] = small
             digest.append((prefix + suffix, str(small.dtype), tuple(small.shape),
                            small.float().reshape(-1).tolist()))
             continue
-        out_rows = small.shape[0] * step // probe  # written rows per `step` weight rows
+        out_rows = small.shape[0] * step // probe_rows  # written rows per `step` weight rows
         written_shape = (total // step * out_rows, *small.shape[1:])
         fn = _RowsOf(unit, suffix, dtype, token, tuple(k for k in per_row if k != "weight"),
                      fast)
