@@ -28,13 +28,14 @@ The quantized scenario (``--quantize fp8|nvfp4``): the Llama-shaped model in bf1
 over world 2, quantized by ModelOpt's own ``mtq.quantize``, written by ours (both writers)
 beside ModelOpt's own ``export_hf_checkpoint`` of it (its FSDP2 route: per-module unshard,
 the full state gathered on rank 0, ``save_pretrained`` there) and the disk's O_DIRECT write of
-the same bytes; each in fresh ranks, with every rank's peak RSS growth.
+the same bytes; each in fresh ranks, with every rank's peak RSS growth. With ``--moe E``:
+a Qwen3-MoE of ``E`` experts a layer (hidden 1024, experts' intermediate 256) instead.
 
 Usage: python benchmarks/bench_export.py [--sizes 1GiB 4GiB] [--world 2] [--repeat 2]
        python benchmarks/bench_export.py --many [--many-world 4] [--many-entries 5000]
        python benchmarks/bench_export.py --tp [--sizes 1GiB] [--world 2] [--tp-run 2KiB]
        python benchmarks/bench_export.py --fsdp-tp [--sizes 1GiB] [--world 4]
-       python benchmarks/bench_export.py --quantize fp8 [--sizes 1GiB] [--world 2]
+       python benchmarks/bench_export.py --quantize fp8 [--sizes 1GiB] [--world 2] [--moe 128]
 """
 
 from __future__ import annotations
@@ -68,15 +69,19 @@ def main(argv: list[str] | None = None) -> int:
                          "to 4) instead")
     ap.add_argument("--quantize", choices=("fp8", "nvfp4"), default=None,
                     help="run the quantized scenario (needs nvidia-modelopt) instead")
+    ap.add_argument("--moe", type=int, default=0, metavar="EXPERTS",
+                    help="with --quantize: a Qwen3-MoE of this many experts a layer instead "
+                         "of the Llama")
     args = ap.parse_args(argv)
     world = args.world or (4 if args.fsdp_tp else 2)
     if args.quantize:
         base = bench.bench_dir()
         load = os.getloadavg()
         for size in args.sizes:
-            rows = bench.measure_quantized(world, size, args.quantize, args.repeat, base)
+            rows = bench.measure_quantized(world, size, args.quantize, args.repeat, base,
+                                           args.moe)
             print("\n".join(bench.format_quantized(rows, world, size, args.quantize, base,
-                                                   load)))
+                                                   load, args.moe)))
         return 0
     if args.fsdp_tp:
         base = bench.bench_dir()

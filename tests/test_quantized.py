@@ -240,16 +240,20 @@ def test_a_quantized_export_holds_a_few_chunks_more_than_a_plain_one(fmt, tmp_pa
 
 
 def _export_twice_with_an_expert_turned_on(base: str) -> None:
-    """One process: a quantized MoE with one expert's down projection's weight quantizer
-    disabled, exported; the quantizer enabled again, exported again (what an export
-    remembers of the model is forgotten by the next)."""
+    """One process: a quantized MoE with the weight quantizers of one expert's down
+    projection and of a linear disabled, exported; enabled again, exported again (what an
+    export remembers of the model is forgotten by the next)."""
     import distributed_ext as dx
 
     model = _quantized("qwen3-moe", "FP8_DEFAULT_CFG")
-    quantizer = model.model.layers[0].mlp.experts.down_proj_weight_quantizers[3]
-    quantizer.disable()
+    layer = model.model.layers[0]
+    quantizers = (layer.mlp.experts.down_proj_weight_quantizers[3],
+                  layer.self_attn.o_proj.weight_quantizer)
+    for quantizer in quantizers:
+        quantizer.disable()
     dx.export_hf_checkpoint(model, os.path.join(base, "before"))
-    quantizer.enable()
+    for quantizer in quantizers:
+        quantizer.enable()
     dx.export_hf_checkpoint(model, os.path.join(base, "after"))
 
 
@@ -258,7 +262,10 @@ def test_a_second_export_sees_the_quantizers_as_they_are_then(tmp_path):
                             init=False, timeout=300))
     before = hf_models.read_checkpoint(str(tmp_path / "before"))
     after = hf_models.read_checkpoint(str(tmp_path / "after"))
-    off, on = (f"model.layers.0.mlp.experts.{e}.down_proj." for e in (3, 2))
-    assert before[off + "weight"].dtype == torch.bfloat16 and off + "weight_scale" not in before
+    on = "model.layers.0.mlp.experts.2.down_proj."
     assert before[on + "weight"].dtype == torch.float8_e4m3fn and on + "weight_scale" in before
-    assert after[off + "weight"].dtype == torch.float8_e4m3fn and off + "weight_scale" in after
+    for off in ("model.layers.0.mlp.experts.3.down_proj.", "model.layers.0.self_attn.o_proj."):
+        assert before[off + "weight"].dtype == torch.bfloat16, off
+        assert off + "weight_scale" not in before, off
+        assert after[off + "weight"].dtype == torch.float8_e4m3fn, off
+        assert off + "weight_scale" in after, off

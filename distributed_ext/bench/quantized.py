@@ -29,14 +29,35 @@ QUANTIZED_ROUTES = ("writers=all", "writers=dst", _MODELOPT, "disk O_DIRECT writ
 FORMATS = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG"}
 
 
-def build_quantized_model(nbytes: int, fmt: str) -> Any:
-    """The Llama-shaped model of about ``nbytes`` of bf16 parameters, FSDP2-sharded as it is
+def _moe_config(nbytes: int, experts: int) -> Any:
+    """A Qwen3-MoE config of about ``nbytes`` of bf16 parameters: hidden 1024, ``experts``
+    experts of intermediate 256 in each layer (8 routed a token), vocab 32000, untied."""
+    from transformers import Qwen3MoeConfig
+
+    h, i, v = 1024, 256, 32000
+    per_layer = 2 * (2 * h * h + 2 * h * h // 4 + experts * (3 * h * i + h))
+    layers = max(1, round((nbytes - 2 * 2 * v * h) / per_layer))
+    return Qwen3MoeConfig(vocab_size=v, hidden_size=h, intermediate_size=4 * h,
+                          moe_intermediate_size=i, num_experts=experts, num_experts_per_tok=8,
+                          num_hidden_layers=layers, num_attention_heads=h // 64,
+                          num_key_value_heads=h // 256, head_dim=64, tie_word_embeddings=False)
+
+
+def _model_class(config: Any) -> Any:
+    import transformers
+
+    return getattr(transformers, config.architectures[0])
+
+
+def build_quantized_model(nbytes: int, fmt: str, experts: int = 0) -> Any:
+    """The Llama-shaped model of about ``nbytes`` of bf16 parameters (with ``experts``: a
+    Qwen3-MoE of that many experts a layer, :func:`_moe_config`), FSDP2-sharded as it is
     built (on the meta device, materialized as shards: no rank holds the full model), filled
     with values seeded per rank, then quantized by ModelOpt's own ``mtq.quantize`` (format
-    ``fmt``: "fp8" or "nvfp4") on one calibration batch, alike on every rank."""
+    ``fmt``: "fp8" or "nvfp4") on one calibration batch, alike on every rank (for a MoE, 1024
+    tokens: every expert gets some)."""
     import torch
     import torch.distributed as dist
-    from transformers import LlamaForCausalLM
 
     import distributed_ext as dx
 
@@ -44,11 +65,15 @@ def build_quantized_model(nbytes: int, fmt: str) -> Any:
         raise ValueError(f"--quantize {fmt!r}: pass one of {', '.join(FORMATS)}")
     import modelopt.torch.quantization as mtq
 
-    config = _llama_config(2 * nbytes)  # (sized in fp32 bytes: half of them in bf16)
+    if experts:
+        config = _moe_config(nbytes, experts)
+        config.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        config = _llama_config(2 * nbytes)  # (sized in fp32 bytes: half of them in bf16)
+        config.architectures = ["LlamaForCausalLM"]
     config.dtype = torch.bfloat16
-    config.architectures = ["LlamaForCausalLM"]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = _model_class(config)(config).to(torch.bfloat16)
     dx.fsdp2_wrap(model)
     model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -60,7 +85,7 @@ def build_quantized_model(nbytes: int, fmt: str) -> Any:
         fresh = type(rotary)(config=config)
         for name, b in rotary.named_buffers():
             b.copy_(getattr(fresh, name))
-    batch = torch.randint(0, config.vocab_size, (2, 32),
+    batch = torch.randint(0, config.vocab_size, (8, 128) if experts else (2, 32),
                           generator=torch.Generator().manual_seed(1))
     mtq.quantize(model, getattr(mtq, FORMATS[fmt]), lambda m: m(batch))
     return model
@@ -71,10 +96,9 @@ def _unsharded_twin(model: Any, fmt: str) -> Any:
     device (no memory until a state is assigned to it)."""
     import modelopt.torch.quantization as mtq
     import torch
-    from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
-        twin = LlamaForCausalLM(model.config).to(torch.bfloat16)
+        twin = _model_class(model.config)(model.config).to(torch.bfloat16)
     mtq.quantize(twin, getattr(mtq, FORMATS[fmt]), None)
     return twin
 
@@ -102,7 +126,8 @@ def _modelopt_route(model: Any, twin: Any, path: str) -> None:
     del state
 
 
-def _quantized_rank(route: str, size: int, fmt: str, base: str, repeat: int) -> dict | None:
+def _quantized_rank(route: str, size: int, fmt: str, base: str, repeat: int,
+                    experts: int = 0) -> dict | None:
     """In each fresh rank: :func:`build_quantized_model`, written ``1 + repeat`` times by
     ``route`` (ModelOpt's export consumes the unsharded copy it is given: each of its calls
     gets a new one, made outside the timing); dst's Timing, every rank's peak RSS growth and
@@ -115,7 +140,7 @@ def _quantized_rank(route: str, size: int, fmt: str, base: str, repeat: int) -> 
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = os.path.join(base, f"dext-q-{os.getppid()}")
-    model = build_quantized_model(size, fmt)
+    model = build_quantized_model(size, fmt, experts)
     nbytes = 0
     if route.startswith("disk"):  # the disk writes as many bytes as the quantized checkpoint
         probe = f"{out}-size"
@@ -155,21 +180,24 @@ def _quantized_rank(route: str, size: int, fmt: str, base: str, repeat: int) -> 
     return {"timing": asdict(Timing(times[0], times[1:])), "io": every}
 
 
-def measure_quantized(world: int, size: int, fmt: str, repeat: int, base: str
-                      ) -> list[tuple[str, Timing, list]]:
+def measure_quantized(world: int, size: int, fmt: str, repeat: int, base: str,
+                      experts: int = 0) -> list[tuple[str, Timing, list]]:
     """Each route of :data:`QUANTIZED_ROUTES` in fresh local ranks (:func:`_quantized_rank`)."""
     if fmt not in FORMATS:
         raise ValueError(f"--quantize {fmt!r}: pass one of {', '.join(FORMATS)}")
     return routes_in_fresh_ranks(f"quantized {fmt}", QUANTIZED_ROUTES, _quantized_rank, world,
-                                 size, fmt, base, repeat)
+                                 size, fmt, base, repeat, experts)
 
 
 def format_quantized(rows: list[tuple[str, Timing, list]], world: int, size: int, fmt: str,
-                     base: str, load: tuple[float, float, float]) -> list[str]:
+                     base: str, load: tuple[float, float, float], experts: int = 0
+                     ) -> list[str]:
     """The table, every rank's peak RSS growth per route, and the targets: ours >= 5x
     ModelOpt's route and >= 0.8x the disk (first call and warm), every rank's peak RSS growth
     <= 128 MiB."""
-    lines = [f"Quantized export ({fmt}, ModelOpt's mtq.quantize): a Llama-shaped model of "
+    shape = (f"a Qwen3-MoE of {experts} experts a layer" if experts else
+             "a Llama-shaped model")
+    lines = [f"Quantized export ({fmt}, ModelOpt's mtq.quantize): {shape} of "
              f"{format_size(size)} bf16, FSDP2 over world {world} on gloo; the disk rows write "
              f"as many bytes as the quantized checkpoint; writing to {base} "
              f"({_filesystem(base)}); {_load_text(load)}",

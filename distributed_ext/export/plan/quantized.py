@@ -103,9 +103,21 @@ def _format(weight_quantizer: nn.Module, input_quantizer: nn.Module | None) -> s
 
 def _sources(model: nn.Module) -> dict[str, Any]:
     """The quantized in-memory weights (key -> a linear module with its format, or (fused
-    experts module, projection attribute)). Empty where ModelOpt was never imported."""
+    experts module, projection attribute)). Empty where ModelOpt was never imported.
+    Remembered for the model until the next export (:func:`forget`): an export asks twice
+    (its probes, its plan), and each linear's format is a ModelOpt call."""
     if not modelopt_loaded():
         return {}
+    import weakref
+
+    if _LAST_SOURCES and _LAST_SOURCES[0][0]() is model:
+        return dict(_LAST_SOURCES[0][1])
+    out = _find_sources(model)
+    _LAST_SOURCES[:] = [(weakref.ref(model), dict(out))]
+    return out
+
+
+def _find_sources(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
@@ -350,11 +362,13 @@ def _ready(model: nn.Module, dtype: torch.dtype) -> None:
 # The last model's held keys and their units (an export asks twice: its probes, its plan);
 # forgotten at the start of each export (:func:`forget`).
 _LAST_UNITS: list[tuple[Any, tuple, list]] = []
+_LAST_SOURCES: list[tuple[Any, dict[str, Any]]] = []
 
 
 def forget() -> None:
-    """Drops what an earlier export remembered (its units, its kept outputs): a model's
-    quantizers may change between two exports."""
+    """Drops what an earlier export remembered (its quantized weights and units, its kept
+    outputs): a model's quantizers may change between two exports."""
+    _LAST_SOURCES.clear()
     _LAST_UNITS.clear()
     _KEPT.clear()
 
