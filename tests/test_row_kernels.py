@@ -178,6 +178,39 @@ def test_fp8_table_equals_modelopts_arithmetic_on_every_value():
     assert assert_all_ok(run_ranks(_compare_fp8, 1, init=False, timeout=120)) == [[]]
 
 
+def _many_fp8_weights() -> tuple[int, list[str]]:
+    # A MoE's many weights: 300 of them computed twice over, in turns; the tables held stay
+    # at the bound, and a table made again gives ModelOpt's bytes.
+    warnings.filterwarnings("ignore")
+    import gc
+
+    from modelopt.torch.export.quant_utils import to_quantized_weight
+
+    from distributed_ext.export.plan import row_kernels
+
+    rows = _every_value(torch.bfloat16)[:4096].reshape(8, 512)
+    scales = torch.logspace(-6, 3, 300)
+    fns = [row_kernels._Fp8Rows(scales[i], torch.bfloat16, torch.bfloat16) for i in range(300)]
+    wrong = []
+    for _ in range(2):
+        for i, fn in enumerate(fns):
+            ref = to_quantized_weight(rows, scales[i], "fp8")
+            if not torch.equal(fn(rows, 0)["weight"].view(torch.uint8), ref.view(torch.uint8)):
+                wrong.append(str(i))
+    gc.collect()
+    held = {id(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)
+            and t.dtype == torch.uint8 and t.numel() == 65536}
+    return len(held), wrong
+
+
+def test_fp8_tables_of_many_weights_are_held_at_most_a_bound():
+    from distributed_ext.export.plan import row_kernels
+
+    held, wrong = assert_all_ok(run_ranks(_many_fp8_weights, 1, init=False, timeout=120))[0]
+    assert wrong == []
+    assert held <= row_kernels.TABLES.count, held  # (each weight's own: 300)
+
+
 def _compare_int4() -> list[str]:
     # INT4 AWQ: every value of bfloat16 and float16 (and random float32 over sixteen
     # decades) against ModelOpt's pack_int4_in_uint8, under per-group scales from tiny to
