@@ -324,6 +324,8 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     else:
         all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
                    lambda: _shared_inputs.fuse_shared_inputs(model), list, group)
+    if count == 1:
+        return None
     return _merge_probes(all_reduce(f"{what}: the quantized weights' probes, each rank its "
                                     "share", share, list, group))
 

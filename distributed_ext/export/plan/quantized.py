@@ -550,9 +550,9 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
     total = shape[0]
     probe_rows = 2 * step if 4 * step <= total else total
     # (a per-row output's dtype and shape for the probe's rows, as a tensor of no storage)
-    one = {k: torch.empty(shape, dtype=dt, device="meta") if data is None else
-           torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(shape)
-           if data else torch.empty(shape, dtype=dt) for k, dt, shape, data in outputs}
+    one = {k: torch.empty(dims, dtype=dt, device="meta") if data is None else
+           torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(dims)
+           if data else torch.empty(dims, dtype=dt) for k, dt, dims, data in outputs}
     prefix = w.key.removesuffix("weight")
     what = f"{unit.name} ({unit.fmt})"
     token = next(_TOKENS)  # (this weight's rows, in the kept outputs' keys)
