@@ -436,3 +436,20 @@ def test_peak_rss_counts_the_blocks_own_peak_only():
         del held
     assert quiet.added < 8 * 2**20, quiet.added
     assert 44 * 2**20 <= busy.added < 64 * 2**20, busy.added
+
+
+@pytest.mark.parametrize("experts,size", [(128, 2**30), (128, 4 * 2**30), (64, 2**30)])
+def test_the_quantized_moe_is_about_the_size_asked(experts, size):
+    # --quantize --moe E: the Qwen3-MoE built from the config has about `size` bytes of bf16
+    # parameters (counted on the meta device), with E experts a layer.
+    pytest.importorskip("transformers", reason="the MoE is transformers' Qwen3-MoE")
+    from transformers import Qwen3MoeForCausalLM
+
+    from distributed_ext.bench.quantized import _moe_config
+
+    config = _moe_config(size, experts)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    nbytes = 2 * sum(p.numel() for p in model.parameters())
+    assert abs(nbytes - size) < 0.15 * size, (nbytes / 2**30, config.num_hidden_layers)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == experts
