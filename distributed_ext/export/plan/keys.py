@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from distributed_ext.export.plan.remembered import LastAnswer
+
 __all__ = ["Part", "Written", "box_of", "resolve_written"]
 
 
@@ -332,12 +334,12 @@ def _converted_apart(model: Any, held: dict[str, tuple[torch.dtype, tuple[int, .
 # The last model's converted keys and what they were traced to (an export resolves the same
 # converted keys more than once: a quantized model's weights before its scales are known,
 # then all); forgotten at the start of each export (:func:`forget`).
-_LAST_TRACED: list[tuple[Any, Any, tuple, list[Written]]] = []
+_TRACED = LastAnswer()
 
 
 def forget() -> None:
     """Drops what an earlier export remembered (a conversion registered since then counts)."""
-    _LAST_TRACED.clear()
+    _TRACED.forget()
 
 
 def _traced_revert_once(model: Any, held: dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -345,16 +347,13 @@ def _traced_revert_once(model: Any, held: dict[str, tuple[torch.dtype, tuple[int
     """:func:`_traced_revert`, remembered for the last model and keys (while the model's own
     record of conversions, if any, is the same object: else transformers' table decides,
     the same for the same model)."""
-    import weakref
-
     key = tuple(held.items())
     recorded = getattr(model, "_weight_conversions", None)
-    if _LAST_TRACED:
-        ref, last_recorded, last_key, last = _LAST_TRACED[0]
-        if ref() is model and last_recorded is recorded and last_key == key:
-            return list(last)
+    last = _TRACED.get(model, key)
+    if last is not None and last[0] is recorded:
+        return list(last[1])
     out = _traced_revert(model, held)
-    _LAST_TRACED[:] = [(weakref.ref(model), recorded, key, list(out))]
+    _TRACED.put(model, key, (recorded, list(out)))
     return out
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from distributed_ext.export.plan import keys as _keys
+from distributed_ext.export.plan.remembered import LastAnswer
 from distributed_ext.export.plan.row_kernels import RowsFn, fast_rows
 from distributed_ext.export.plan.shared_inputs import (
     copy_quantizer,
@@ -108,12 +109,11 @@ def _sources(model: nn.Module) -> dict[str, Any]:
     (its probes, its plan), and each linear's format is a ModelOpt call."""
     if not modelopt_loaded():
         return {}
-    import weakref
-
-    if _LAST_SOURCES and _LAST_SOURCES[0][0]() is model:
-        return dict(_LAST_SOURCES[0][1])
+    last = _SOURCES.get(model, None)
+    if last is not None:
+        return dict(last)
     out = _find_sources(model)
-    _LAST_SOURCES[:] = [(weakref.ref(model), dict(out))]
+    _SOURCES.put(model, None, dict(out))
     return out
 
 
@@ -359,17 +359,17 @@ def _ready(model: nn.Module, dtype: torch.dtype) -> None:
     sync_amax(model, dtype)
 
 
-# The last model's held keys and their units (an export asks twice: its probes, its plan);
-# forgotten at the start of each export (:func:`forget`).
-_LAST_UNITS: list[tuple[Any, tuple, list]] = []
-_LAST_SOURCES: list[tuple[Any, dict[str, Any]]] = []
+# The last model's quantized weights, and its units for the held keys (an export asks twice:
+# its probes, its plan); forgotten at the start of each export (:func:`forget`).
+_SOURCES = LastAnswer()
+_UNITS = LastAnswer()
 
 
 def forget() -> None:
     """Drops what an earlier export remembered (its quantized weights and units, its kept
     outputs): a model's quantizers may change between two exports."""
-    _LAST_SOURCES.clear()
-    _LAST_UNITS.clear()
+    _SOURCES.forget()
+    _UNITS.forget()
     _KEPT.clear()
 
 
@@ -379,15 +379,12 @@ def _units(model: nn.Module, sources: dict[str, Any], held: dict[str, tuple],
     same on every rank that holds the same keys); ValueError naming the module and the
     format where a weight is not written from the shards. The last answer is remembered
     for the same model, sources and keys."""
-    import weakref
-
     key = (tuple(held.items()), tuple(
         (k, id(v.module), v.fmt) if isinstance(v, _Linear) else (k, id(v[0]), v[1])
         for k, v in sources.items()))
-    if _LAST_UNITS:
-        ref, last_key, last = _LAST_UNITS[0]
-        if ref() is model and last_key == key:
-            return list(last)
+    last = _UNITS.get(model, key)
+    if last is not None:
+        return list(last)
     units = []
     for w in _keys.resolve_written(model, held, converts):
         unit = _unit_of(w, sources, held)
@@ -400,7 +397,7 @@ def _units(model: nn.Module, sources: dict[str, Any], held: dict[str, tuple],
                 f"{', '.join(sorted(ROW_FORMATS))}); export it with "
                 "modelopt.torch.export.export_hf_checkpoint instead")
         units.append((w, unit))
-    _LAST_UNITS[:] = [(weakref.ref(model), key, list(units))]
+    _UNITS.put(model, key, list(units))
     return units
 
 
@@ -507,6 +504,12 @@ def _kind(unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype, cols: int,
             shapes(wq), shapes(unit.input_quantizer), type(wq).__name__)
 
 
+def _probe_rows(step: int, total: int) -> int:
+    """The rows of a weight of ``total`` rows that its probe exports: two blocks of ``step``,
+    or all of them where it has under four."""
+    return 2 * step if 4 * step <= total else total
+
+
 def _probe(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype
            ) -> Probe:
     """ModelOpt's export of ``2 * step`` rows of ones of a weight (all its rows where it has
@@ -518,7 +521,7 @@ def _probe(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torc
     if len(shape) != 2 or total % step:
         raise ValueError(f"{w.key!r}: {unit.fmt} takes {step} rows of a 2-D weight together, "
                          f"but it has shape {list(shape)}")
-    probe = 2 * step if 4 * step <= total else total
+    probe = _probe_rows(step, total)
 
     def ones(n: int) -> dict[str, torch.Tensor]:
         return _export_rows(unit, torch.ones((n, shape[1]), dtype=weight_dtype), 0, dtype)
@@ -548,7 +551,7 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
     shape = w.shape
     step = ROW_FORMATS[unit.fmt]
     total = shape[0]
-    probe_rows = 2 * step if 4 * step <= total else total
+    probe_rows = _probe_rows(step, total)
     # (a per-row output's dtype and shape for the probe's rows, as a tensor of no storage)
     one = {k: torch.empty(dims, dtype=dt, device="meta") if data is None else
            torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(dims)

@@ -182,10 +182,6 @@ class _Tables:
             while len(self.tables) > self.count:
                 self.tables.popitem(last=False)
 
-    def clear(self) -> None:
-        with _LOCK:
-            self.tables.clear()
-
 
 TABLES = _Tables(64)  # 4 MiB
 _SERIALS = itertools.count()
