@@ -90,18 +90,25 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
     import torch.distributed as dist
 
     import distributed_ext as dx
+    from distributed_ext.export import rounds
     from distributed_ext.export.plan import quantized
 
     probed: list[str] = []  # (the weights this rank asks ModelOpt to probe)
     probe = quantized._probe
     quantized._probe = lambda w, *args: probed.append(w.key) or probe(w, *args)
-    out: dict = {"probed": {}}
+    resolved = [0]  # (how often the export resolves the model's state)
+    resolve = rounds.resolve_state
+    rounds.resolve_state = lambda *args: resolved.__setitem__(0, resolved[0] + 1) or \
+        resolve(*args)
+    out: dict = {"probed": {}, "resolved": {}}
     for family, fmt in cases:
         model = _quantized(family, fmt)
         dx.fsdp2_wrap(model)
         probed.clear()
+        resolved[0] = 0
         dx.export_hf_checkpoint(model, os.path.join(base, "ours", family, fmt), writers=writers)
         out["probed"][family, fmt] = list(probed)
+        out["resolved"][family, fmt] = resolved[0]
         if ram is not None:
             dx.export_hf_checkpoint(model, os.path.join(ram, family, fmt), writers="all")
     if ram is not None and dist.get_rank() == 0:
@@ -177,6 +184,10 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, r
         probed = [r["probed"][family, fmt] for r in results]
         assert sorted(k for keys in probed for k in keys) == sorted(quantized), fmt
         assert max(map(len, probed)) <= -(-len(quantized) // world), (fmt, probed)
+        # The state is resolved once where the probes are made in the first round (after
+        # ModelOpt's steps before it quantizes); again after the pre-quant scales' fusing.
+        once = 2 if fmt in ("INT4_AWQ_CFG", "INT8_SMOOTHQUANT_CFG") else 1
+        assert [r["resolved"][family, fmt] for r in results] == [once] * world, fmt
     alone = hf_models.read_checkpoint(os.path.join(modelopt_refs, "alone"))
     ref = hf_models.read_checkpoint(os.path.join(modelopt_refs, "ref", *CASES[0]))
     assert sorted(alone) == sorted(ref) and all(_same_bytes(ref[k], alone[k]) for k in ref)

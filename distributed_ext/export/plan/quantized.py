@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -350,11 +351,12 @@ def _unit_of(w: _keys.Written, sources: dict[str, Any], held: dict[str, tuple]) 
 Probe = tuple[list[tuple[str, torch.dtype, tuple[int, ...], "bytes | None"]], list[str]]
 
 
-def _ready(model: nn.Module, dtype: torch.dtype) -> None:
+def _ready(model: nn.Module, dtype: torch.dtype, pre_quant: bool | None = None) -> None:
     """ModelOpt's export's steps before it quantizes, on this rank's copy of the calibration
     results, in place: the shared-input layers fused (AWQ's are fused before, by every rank
-    together: :func:`plan.shared_inputs.needs_gather`), then :func:`plan.shared_inputs.sync_amax`."""
-    if not needs_gather(model):
+    together: :func:`plan.shared_inputs.needs_gather`, ``pre_quant`` where the caller asked
+    it already), then :func:`plan.shared_inputs.sync_amax`."""
+    if not (needs_gather(model) if pre_quant is None else pre_quant):
         fuse_shared_inputs(model)
     sync_amax(model, dtype)
 
@@ -401,23 +403,28 @@ def _units(model: nn.Module, sources: dict[str, Any], held: dict[str, tuple],
     return units
 
 
-def probe_share(model: nn.Module, state: dict[str, Any], index: int, count: int
-                ) -> dict[str, Probe] | None:
+def probe_share(model: nn.Module, state_of: Callable[[], dict[str, Any]], index: int,
+                count: int, pre_quant: bool | None = None
+                ) -> tuple[dict[str, Probe] | None, dict[str, Any] | None]:
     """The probes of every ``count``-th quantized weight from the ``index``-th (by written
     key), after ModelOpt's steps before it quantizes (:func:`_ready`, which :func:`prepare`
-    given these probes then skips); None for a model ModelOpt did not quantize. Each rank of
-    an export computes its share and every rank gets them all: a probe costs a few hundred
-    microseconds of ModelOpt's Python per weight, and a MoE has one weight per expert and
-    projection (18k for 48 layers of 128 experts). ValueError as :func:`prepare`'s."""
+    given these probes then skips; ``pre_quant`` as there); None for a model ModelOpt did not
+    quantize. Each rank of an export computes its share and every rank gets them all: a
+    probe costs a few hundred microseconds of ModelOpt's Python per weight, and a MoE has one
+    weight per expert and projection (18k for 48 layers of 128 experts). Returned beside
+    them: the model's state (``state_of()``, asked once those steps ran, so that it holds the
+    quantizers' buffers as they leave them: the export's plan may take it instead of asking
+    again), or None where not asked. ValueError as :func:`prepare`'s."""
     sources = _sources(model)
     if not sources:
-        return None
+        return None, None
     dtype = export_dtype(model)
-    _ready(model, dtype)
+    _ready(model, dtype, pre_quant)
+    state = state_of()
     held = _held(state)
     return {w.key: _probe(w, unit, held[w.parts[0].source][0], dtype)
             for i, (w, unit) in enumerate(_units(model, sources, held, None))
-            if i % count == index}
+            if i % count == index}, state
 
 
 def _held(state: dict[str, Any]) -> dict[str, tuple]:

@@ -48,10 +48,12 @@ def needs_gather(model: nn.Module) -> bool:
     a forward: collective under FSDP2; see :func:`fuse_shared_inputs`)."""
     if not modelopt_loaded():
         return False
-    # (ModelOpt's condition: preprocess_linear_fusion rescales where there is such a scale)
-    return any(getattr(getattr(m, "input_quantizer", None), "pre_quant_scale", None) is not None
-               for m in model.modules() if isinstance(getattr(m, "weight_quantizer", None),
-                                                      nn.Module))
+    # (ModelOpt's condition: preprocess_linear_fusion rescales where there is such a scale.
+    # Its quantizers are submodules: looked up in each module's table, not by getattr, which
+    # on a module without one raises inside torch and ModelOpt's __getattr__: 4x the walk.)
+    return any(getattr(m._modules.get("input_quantizer"), "pre_quant_scale", None) is not None
+               for m in model.modules()
+               if isinstance(m._modules.get("weight_quantizer"), nn.Module))
 
 
 def fuse_shared_inputs(model: nn.Module) -> None:
