@@ -31,10 +31,14 @@ the full state gathered on rank 0, ``save_pretrained`` there) and the disk's O_D
 the same bytes; each in fresh ranks, with every rank's peak RSS growth. With ``--moe E``:
 a Qwen3-MoE of ``E`` experts a layer (hidden 1024, experts' intermediate 256) instead.
 
+With ``--launches K`` (those three scenarios), each route's first call is taken in K fresh
+launches, the routes taking turns round by round, and judged by the median; each launch's
+first call and each launch's ratio (paired with the same round's) are printed beside it.
+
 Usage: python benchmarks/bench_export.py [--sizes 1GiB 4GiB] [--world 2] [--repeat 2]
        python benchmarks/bench_export.py --many [--many-world 4] [--many-entries 5000]
        python benchmarks/bench_export.py --tp [--sizes 1GiB] [--world 2] [--tp-run 2KiB]
-       python benchmarks/bench_export.py --fsdp-tp [--sizes 1GiB] [--world 4]
+       python benchmarks/bench_export.py --fsdp-tp [--sizes 1GiB] [--world 4] [--launches 3]
        python benchmarks/bench_export.py --quantize fp8 [--sizes 1GiB] [--world 2] [--moe 128]
 """
 
@@ -72,14 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe", type=int, default=0, metavar="EXPERTS",
                     help="with --quantize: a Qwen3-MoE of this many experts a layer instead "
                          "of the Llama")
+    ap.add_argument("--launches", type=int, default=1, metavar="K",
+                    help="with --quantize, --fsdp-tp or --tp: each route's first call in K "
+                         "fresh launches, the routes taking turns (round by round), judged "
+                         "by their median; each launch's figures shown (default 1)")
     args = ap.parse_args(argv)
+    if args.launches < 1:
+        ap.error(f"--launches {args.launches}: pass a positive count of fresh launches")
+    if args.launches > 1 and not (args.quantize or args.fsdp_tp or args.tp):
+        ap.error("--launches applies to --quantize, --fsdp-tp and --tp only")
     world = args.world or (4 if args.fsdp_tp else 2)
     if args.quantize:
         base = bench.bench_dir()
         load = os.getloadavg()
         for size in args.sizes:
             rows = bench.measure_quantized(world, size, args.quantize, args.repeat, base,
-                                           args.moe)
+                                           args.moe, args.launches)
             print("\n".join(bench.format_quantized(rows, world, size, args.quantize, base,
                                                    load, args.moe)))
         return 0
@@ -87,14 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         base = bench.bench_dir()
         load = os.getloadavg()
         for size in args.sizes:
-            rows = bench.measure_fsdp_tp(world, size, args.repeat, base)
+            rows = bench.measure_fsdp_tp(world, size, args.repeat, base, args.launches)
             print("\n".join(bench.format_fsdp_tp(rows, world, size, base, load)))
         return 0
     if args.tp:
         base = bench.bench_dir()
         load = os.getloadavg()
         for size in args.sizes:
-            rows = bench.measure_tp(world, size, args.tp_run, args.repeat, base)
+            rows = bench.measure_tp(world, size, args.tp_run, args.repeat, base, args.launches)
             print("\n".join(bench.format_tp(rows, world, size, args.tp_run, base, load)))
         return 0
     if args.many:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Timing", "time_calls"]
+__all__ = ["Timing", "merge_launches", "time_calls"]
 
 
 @dataclass
@@ -23,6 +23,9 @@ class Timing:
 
     first: float
     warm: list[float] = field(default_factory=list)
+    # Every fresh launch's first call where the figures pool several (:func:`merge_launches`;
+    # ``first`` is then their median), else empty.
+    firsts: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -64,3 +67,17 @@ def time_calls(call: Callable[[int], Any], repeat: int,
             after(i, value)
         value = None
     return Timing(times[0], times[1:])
+
+
+def merge_launches(timings: list[Timing]) -> Timing:
+    """The Timings of one route in several fresh launches as one: ``first`` the median of
+    their first calls (each kept in ``firsts``), ``warm`` every warm call of them all. A
+    first call moves with what the machine is doing at that moment (on the 2-core VM, 0.6-1.2
+    s for the same export, the disk's own write 0.6-0.9 s): its median over launches, each
+    beside the other routes' of the same round, is the figure a comparison can stand on."""
+    if not timings:
+        raise ValueError("merge_launches: no timings")
+    if len(timings) == 1:
+        return timings[0]
+    firsts = [t.first for t in timings]
+    return Timing(statistics.median(firsts), [w for t in timings for w in t.warm], firsts)

@@ -424,6 +424,64 @@ def test_the_fsdp_tp_scenario_judges_ours_against_transformers_save_and_the_disk
         bench.measure_fsdp_tp(3, 2**20, 0, str(tmp_path))
 
 
+def test_launches_merge_into_the_median_first_call_with_each_launch_shown(tmp_path):
+    from distributed_ext._timing import Timing, merge_launches
+
+    merged = merge_launches([Timing(1.2, [0.9]), Timing(0.8, [0.7, 1.1]), Timing(1.0, [])])
+    assert merged == Timing(1.0, [0.9, 0.7, 1.1], [1.2, 0.8, 1.0])
+    one = Timing(0.5, [0.4])
+    assert merge_launches([one]) is one and one.firsts == []
+    with pytest.raises(ValueError, match="no timings"):
+        merge_launches([])
+    # The table shows each launch's first call; the verdict is the medians' ratio, beside
+    # each launch's ratio paired with the same round's baseline.
+    io = [(300e6, 10e6)] * 4
+    ours = merge_launches([Timing(1.0, [0.9]), Timing(1.4, [1.0]), Timing(0.9, [0.8])])
+    disk = merge_launches([Timing(0.9, [0.8]), Timing(0.8, [0.8]), Timing(0.6, [0.7])])
+    save = merge_launches([Timing(6.0, [4.0]), Timing(7.0, [4.0]), Timing(5.0, [4.0])])
+    rows = [("writers=all", ours, io), ("writers=dst", ours, io),
+            ("transformers gather_full_state_dict+save_pretrained", save, io),
+            ("disk O_DIRECT write", disk, io),
+            ("disk O_DIRECT write, every rank its share", disk, io)]
+    lines = bench.format_fsdp_tp(rows, 4, 2**30, str(tmp_path), (1.0, 2.0, 3.0))
+    assert lines[1].startswith("| route | first call s: median (each of 3 launches) |")
+    assert "| writers=all | 1.000 (1.000, 1.400, 0.900) | 0.900 | 0.800-1.000 |" in "\n".join(
+        lines)
+    assert ("  met  ours vs the disk's O_DIRECT rate (dst alone), first call: 0.80x (target "
+            ">= 0.8x; each launch 0.90x, 0.57x, 0.67x)") in lines
+    assert ("  met  transformers' save / ours, first call: 6.00x (target >= 5.0x; each launch "
+            "6.00x, 5.00x, 5.56x)") in lines
+
+
+def _route_rank(route: str, order: str) -> dict | None:
+    """A route that only records when it ran (for the launches' order) and times nothing."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    with open(order, "a") as f:
+        f.write(route + "\n")
+    first = {"a": 1.0, "b": 2.0}[route] + sum(1 for _ in open(order)) / 100
+    return {"timing": {"first": first, "warm": [first / 2]},
+            "io": [(10, 1, 5 * len(open(order).read())), (20, 2, 3)]}
+
+
+def test_routes_take_turns_in_fresh_launches(tmp_path):
+    from distributed_ext.bench.measure import routes_in_fresh_ranks
+
+    order = str(tmp_path / "order")
+    rows = routes_in_fresh_ranks("test", ("a", "b"), _route_rank, 2, order, launches=3)
+    with open(order) as f:
+        assert f.read().split() == ["a", "b"] * 3  # round by round, in fresh ranks each
+    (a, ta, io_a), (b, tb, _io_b) = rows
+    assert (a, b) == ("a", "b")
+    assert ta.firsts == [1.01, 1.03, 1.05] and ta.first == 1.03
+    assert tb.firsts == [2.02, 2.04, 2.06] and len(tb.warm) == 3
+    assert io_a == [(10, 1, 5 * 10), (20, 2, 3)]  # (each figure the largest of the launches)
+    with pytest.raises(ValueError, match="launches must be a positive int"):
+        routes_in_fresh_ranks("test", ("a",), _route_rank, 2, order, launches=0)
+
+
 def test_peak_rss_counts_the_blocks_own_peak_only():
     from distributed_ext.bench.resources import PeakRSS
 

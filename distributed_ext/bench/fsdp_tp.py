@@ -86,14 +86,15 @@ def _fsdp_tp_rank(route: str, size: int, base: str, repeat: int) -> dict | None:
                         repeat)
 
 
-def measure_fsdp_tp(world: int, size: int, repeat: int, base: str
+def measure_fsdp_tp(world: int, size: int, repeat: int, base: str, launches: int = 1
                     ) -> list[tuple[str, Timing, list]]:
-    """Each route of :data:`FSDP_TP_ROUTES` in fresh local ranks (:func:`_fsdp_tp_rank`)."""
+    """Each route of :data:`FSDP_TP_ROUTES` in fresh local ranks (:func:`_fsdp_tp_rank`),
+    ``launches`` rounds of them."""
     if world < 4 or world % 2:
         raise ValueError(f"--world {world}: FSDP x TP needs an even world of at least 4 "
                          "(the mesh is world/2 x 2); pass --world 4")
     return routes_in_fresh_ranks("FSDP x TP", FSDP_TP_ROUTES, _fsdp_tp_rank, world, size,
-                                 base, repeat)
+                                 base, repeat, launches=launches)
 
 
 def format_fsdp_tp(rows: list[tuple[str, Timing, list]], world: int, size: int, base: str,

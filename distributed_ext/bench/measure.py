@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from distributed_ext._spawn import run_local
-from distributed_ext._timing import Timing, time_calls
+from distributed_ext._timing import Timing, merge_launches, time_calls
 from distributed_ext.bench.export import _export_call, build_export_model
 from distributed_ext.bench.gather import _payload, make_state
 from distributed_ext.bench.methods import Result
@@ -166,15 +166,30 @@ def _dst_value(what: str, fn: Any, world: int, *args: Any, timeout: float = 3600
 
 
 def routes_in_fresh_ranks(label: str, routes: tuple[str, ...], rank_fn: Any, world: int,
-                          *args: Any) -> list[tuple[str, Timing, list]]:
+                          *args: Any, launches: int = 1) -> list[tuple[str, Timing, list]]:
     """``rank_fn(route, *args)`` in ``world`` fresh local ranks for each route (a dict of
-    :func:`_time_routes` on dst): (route, Timing, every rank's bytes written and sent)."""
-    rows = []
-    for route in routes:
-        value = _dst_value(route, rank_fn, world, route, *args)
-        rows.append((route, Timing(**value["timing"]), value["io"]))
-        print(f"  done: {label}, {route}", file=sys.stderr, flush=True)
-    return rows
+    :func:`_time_routes` on dst): (route, Timing, every rank's bytes written and sent).
+    With ``launches`` > 1 the routes run that many rounds, each route once a round in fresh
+    ranks (so that each round's routes meet the machine in about the same state), and each
+    route's Timings are merged (:func:`~distributed_ext._timing.merge_launches`); every
+    rank's figures are the largest of the launches (the bytes are the same in each; a
+    peak, the highest)."""
+    if isinstance(launches, bool) or not isinstance(launches, int) or launches < 1:
+        raise ValueError(f"launches must be a positive int (fresh launches per route), "
+                         f"got {launches!r}")
+    timings: dict[str, list[Timing]] = {route: [] for route in routes}
+    figures: dict[str, list] = {}
+    for launch in range(launches):
+        for route in routes:
+            value = _dst_value(route, rank_fn, world, route, *args)
+            timings[route].append(Timing(**value["timing"]))
+            io = [tuple(f) for f in value["io"]]
+            got = figures.get(route)
+            figures[route] = io if got is None else [
+                tuple(max(a, b) for a, b in zip(x, y)) for x, y in zip(got, io)]
+            at = f" (launch {launch + 1} of {launches})" if launches > 1 else ""
+            print(f"  done: {label}, {route}{at}", file=sys.stderr, flush=True)
+    return [(route, merge_launches(timings[route]), figures[route]) for route in routes]
 
 
 def _time_routes(route: str, model: Any, baseline: Any, out: str, repeat: int) -> dict | None:

@@ -181,12 +181,13 @@ def _quantized_rank(route: str, size: int, fmt: str, base: str, repeat: int,
 
 
 def measure_quantized(world: int, size: int, fmt: str, repeat: int, base: str,
-                      experts: int = 0) -> list[tuple[str, Timing, list]]:
-    """Each route of :data:`QUANTIZED_ROUTES` in fresh local ranks (:func:`_quantized_rank`)."""
+                      experts: int = 0, launches: int = 1) -> list[tuple[str, Timing, list]]:
+    """Each route of :data:`QUANTIZED_ROUTES` in fresh local ranks (:func:`_quantized_rank`),
+    ``launches`` rounds of them."""
     if fmt not in FORMATS:
         raise ValueError(f"--quantize {fmt!r}: pass one of {', '.join(FORMATS)}")
     return routes_in_fresh_ranks(f"quantized {fmt}", QUANTIZED_ROUTES, _quantized_rank, world,
-                                 size, fmt, base, repeat, experts)
+                                 size, fmt, base, repeat, experts, launches=launches)
 
 
 def format_quantized(rows: list[tuple[str, Timing, list]], world: int, size: int, fmt: str,
