@@ -127,9 +127,25 @@ def _child(fn: Callable[..., Any], rank: int, world: int, tmpdir: str, args: tup
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    _release_semaphores()
     # Leave without atexit or destroy_process_group: a peer may have died, and teardown
     # must not wait on it.
     os._exit(code)
+
+
+def _release_semaphores() -> None:
+    """Unlinks the named semaphores this rank made through ``multiprocessing`` (tqdm's write
+    lock, which transformers' and ModelOpt's saves create, is one), as their finalizers would
+    at a normal exit: ``os._exit`` skips those, and the spawner's resource tracker then
+    reports them leaked when it shuts down. Only those finalizers run (none waits on
+    anything); nothing else of multiprocessing's exit."""
+    with contextlib.suppress(Exception):
+        from multiprocessing import synchronize, util
+
+        cleanup = synchronize.SemLock._cleanup
+        for finalizer in list(util._finalizer_registry.values()):
+            if getattr(finalizer, "_callback", None) is cleanup:
+                finalizer()
 
 
 _contexts: dict[tuple[str, ...], multiprocessing.context.BaseContext] = {}
