@@ -466,11 +466,16 @@ def _route_rank(route: str, order: str) -> dict | None:
             "io": [(10, 1, 5 * len(open(order).read())), (20, 2, 3)]}
 
 
-def test_routes_take_turns_in_fresh_launches(tmp_path):
+def test_routes_take_turns_in_fresh_launches(tmp_path, monkeypatch):
+    from distributed_ext.bench import measure
     from distributed_ext.bench.measure import routes_in_fresh_ranks
 
     order = str(tmp_path / "order")
+    synced: list[int] = []  # (the page cache written out before each route, outside timing)
+    sync = measure.os.sync
+    monkeypatch.setattr(measure.os, "sync", lambda: synced.append(1) or sync())
     rows = routes_in_fresh_ranks("test", ("a", "b"), _route_rank, 2, order, launches=3)
+    assert len(synced) == 6
     with open(order) as f:
         assert f.read().split() == ["a", "b"] * 3  # round by round, in fresh ranks each
     (a, ta, io_a), (b, tb, _io_b) = rows

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -181,6 +182,10 @@ def routes_in_fresh_ranks(label: str, routes: tuple[str, ...], rank_fn: Any, wor
     figures: dict[str, list] = {}
     for launch in range(launches):
         for route in routes:
+            # What the route before left for the kernel to write back (a baseline that saves
+            # through the page cache without fsync, as save_pretrained does) is written out
+            # first, outside any timing: it would land on whichever route runs next.
+            os.sync()
             value = _dst_value(route, rank_fn, world, route, *args)
             timings[route].append(Timing(**value["timing"]))
             io = [tuple(f) for f in value["io"]]
