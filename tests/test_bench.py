@@ -467,8 +467,11 @@ def _route_rank(route: str, order: str) -> dict | None:
 
 
 def test_routes_take_turns_in_fresh_launches(tmp_path, monkeypatch):
-    from distributed_ext.bench import measure
+    import importlib
+
     from distributed_ext.bench.measure import routes_in_fresh_ranks
+
+    measure = importlib.import_module("distributed_ext.bench.measure")  # (the module)
 
     order = str(tmp_path / "order")
     synced: list[int] = []  # (the page cache written out before each route, outside timing)
