@@ -100,15 +100,22 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
     resolve = rounds.resolve_state
     rounds.resolve_state = lambda *args: resolved.__setitem__(0, resolved[0] + 1) or \
         resolve(*args)
-    out: dict = {"probed": {}, "resolved": {}}
+    import modelopt.torch.export.unified_export_hf as unified
+
+    gathered = [0]  # (how often ModelOpt's own fusing, which unshards each group, runs)
+    requantize = unified.requantize_resmooth_fused_llm_layers
+    unified.requantize_resmooth_fused_llm_layers = lambda *args: \
+        gathered.__setitem__(0, gathered[0] + 1) or requantize(*args)
+    out: dict = {"probed": {}, "resolved": {}, "gathered": {}}
     for family, fmt in cases:
         model = _quantized(family, fmt)
         dx.fsdp2_wrap(model)
         probed.clear()
-        resolved[0] = 0
+        resolved[0] = gathered[0] = 0
         dx.export_hf_checkpoint(model, os.path.join(base, "ours", family, fmt), writers=writers)
         out["probed"][family, fmt] = list(probed)
         out["resolved"][family, fmt] = resolved[0]
+        out["gathered"][family, fmt] = gathered[0]
         if ram is not None:
             dx.export_hf_checkpoint(model, os.path.join(ram, family, fmt), writers="all")
     if ram is not None and dist.get_rank() == 0:
@@ -188,6 +195,9 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, r
         # ModelOpt's steps before it quantizes); again after the pre-quant scales' fusing.
         once = 2 if fmt in ("INT4_AWQ_CFG", "INT8_SMOOTHQUANT_CFG") else 1
         assert [r["resolved"][family, fmt] for r in results] == [once] * world, fmt
+        # Every case's shared inputs are fused from the rows (the Llama's AWQ and SmoothQuant
+        # scales by Resmooth), never by ModelOpt's own function, which unshards each group.
+        assert [r["gathered"][family, fmt] for r in results] == [0] * world, fmt
     alone = hf_models.read_checkpoint(os.path.join(modelopt_refs, "alone"))
     ref = hf_models.read_checkpoint(os.path.join(modelopt_refs, "ref", *CASES[0]))
     assert sorted(alone) == sorted(ref) and all(_same_bytes(ref[k], alone[k]) for k in ref)

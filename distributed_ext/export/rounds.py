@@ -307,24 +307,27 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     resolved there once the layers were fused (nothing changes the model after it), for the
     metadata round to take instead of resolving it again (0.02 s a call for a 1 GiB Llama;
     a rank's failure there is agreed as in the metadata round); else None."""
-    kept: dict[str, dict[str, Any] | None] = {"state": None}
+    state: dict[str, Any] | None = None
 
-    def share() -> dict[str, _quantized.Probe] | None:
+    def share(pre_quant: bool) -> dict[str, _quantized.Probe] | None:
+        """This rank's probes; ``pre_quant``: whether the model has pre-quant scales (their
+        layers then fused already, by the rounds below: not again)."""
+        nonlocal state
         if count == 1:  # (prepare probes them all: the same, with no second look at them)
             return None
-        probes, kept["state"] = _quantized.probe_share(
-            model, lambda: resolve_state(model)[0], index, count, pre_quant=False)
+        probes, state = _quantized.probe_share(
+            model, lambda: resolve_state(model)[0], index, count, pre_quant=pre_quant)
         return probes
 
     def first() -> tuple[bool, dict[str, _quantized.Probe] | None]:
         if _shared_inputs.needs_gather(model):
             return True, None
-        return False, share()
+        return False, share(pre_quant=False)
 
     got = all_reduce(f"{what}: quantized layers", first, list, group)
     flags = [flag for flag, _probes in got]
     if not any(flags):
-        return _merge_probes([probes for _flag, probes in got]), kept["state"]
+        return _merge_probes([probes for _flag, probes in got]), state
     if not all(flags):
         ranks = [r for r, f in enumerate(flags) if not f]
         raise ValueError(f"{what}: the model has ModelOpt's pre-quant scales (AWQ, SmoothQuant) "
@@ -342,7 +345,7 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     if count == 1:
         return None, None
     return _merge_probes(all_reduce(f"{what}: the quantized weights' probes, each rank its "
-                                    "share", share, list, group)), None
+                                    "share", lambda: share(pre_quant=True), list, group)), None
 
 
 def _merge_probes(shares: list[dict[str, _quantized.Probe] | None]
