@@ -255,7 +255,12 @@ def _store_host_killed(port, world, where, death_file):
                             world_size=world, timeout=__import__("datetime").timedelta(
                                 seconds=120))
 
+    dying = threading.Lock()
+
     def die():
+        # dst's writes run in several threads: the first to get here records the time and
+        # dies; another opening the file after it ("w") would leave it empty.
+        dying.acquire()
         with open(death_file, "w") as f:
             f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
