@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from harness import REPO, run_torchrun
+from harness import REPO, assert_all_ok, run_ranks, run_torchrun
 
 from distributed_ext import bench
 
@@ -488,6 +488,81 @@ def test_routes_take_turns_in_fresh_launches(tmp_path, monkeypatch):
     assert io_a == [(10, 1, 5 * 10), (20, 2, 3)]  # (each figure the largest of the launches)
     with pytest.raises(ValueError, match="launches must be a positive int"):
         routes_in_fresh_ranks("test", ("a",), _route_rank, 2, order, launches=0)
+
+
+def _cached_route_rank(route: str) -> dict | None:
+    """Route "save" returns before its bytes are on the disk: dst reports each call's fsync."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    value = {"timing": {"first": 2.0, "warm": [1.0, 1.5]}, "io": [(10, 1), (20, 2)]}
+    if route == "save":
+        value["flushed"] = [0.5, 0.25, 0.75]
+    return value
+
+
+def test_a_route_that_returns_before_its_bytes_are_durable_gets_a_row_until_they_are(
+        tmp_path):
+    from distributed_ext._timing import Timing
+    from distributed_ext.bench.fsdp_tp import _durable_lines
+    from distributed_ext.bench.measure import durable_route, routes_in_fresh_ranks
+
+    rows = routes_in_fresh_ranks("test", ("ours", "save"), _cached_route_rank, 2, launches=2)
+    assert [r for r, _t, _io in rows] == ["ours", "save", "save, then fsync of its files"]
+    durable = rows[2][1]
+    assert durable.firsts == [2.5, 2.5] and sorted(durable.warm) == [1.25, 1.25, 2.25, 2.25]
+    assert rows[2][2] == rows[1][2]  # (the route's own bytes)
+    get = {r: t for r, t, _io in rows}
+    assert _durable_lines(get, "its save", "save", Timing(1.25, [1.0])) == [
+        "  (no target) its save until its files are on the disk (then fsync) / ours: first "
+        "call 2.00x, warm 1.75x"]
+    assert _durable_lines(get, "ours", "ours", Timing(1.0)) == []  # (no such row)
+    assert durable_route("save") == "save, then fsync of its files"
+
+
+def _time_a_cached_baseline(out: str) -> dict | None:
+    import torch.distributed as dist
+
+    from distributed_ext.bench.measure import _time_routes
+
+    def baseline(path: str) -> None:  # (rank 0 writes through the page cache, no fsync)
+        if dist.get_rank() == 0:
+            os.makedirs(path)
+            with open(os.path.join(path, "model.safetensors"), "wb") as f:
+                f.write(b"x" * 2**20)
+        dist.barrier()
+
+    value = _time_routes("save", None, baseline, out, 2, cached=True)
+    plain = _time_routes("save", None, baseline, out, 1)
+    return None if value is None else {**value, "plain": sorted(plain)}
+
+
+def test_time_routes_times_a_cached_baselines_fsync_after_each_call(tmp_path):
+    out = str(tmp_path / "out")
+    value = assert_all_ok(run_ranks(_time_a_cached_baseline, 2, out, timeout=120))[0]
+    assert len(value["flushed"]) == 3 and all(f >= 0 for f in value["flushed"])
+    assert value["plain"] == ["io", "timing"]  # (not asked: no fsync, no "flushed")
+    assert os.listdir(tmp_path) == []  # (every call's directory removed by dst)
+
+
+def test_fsync_tree_fsyncs_every_file_then_the_directories(tmp_path, monkeypatch):
+    from distributed_ext.bench import resources
+
+    (tmp_path / "ckpt" / "sub").mkdir(parents=True)
+    for name in ("ckpt/a.safetensors", "ckpt/sub/b.json"):
+        (tmp_path / name).write_bytes(b"x" * 100)
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(resources.os, "fsync",
+                        lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    seconds = resources.fsync_tree(str(tmp_path / "ckpt"))
+    assert seconds >= 0
+    root = str(tmp_path / "ckpt")
+    assert sorted(synced[:2]) == [f"{root}/a.safetensors", f"{root}/sub/b.json"]
+    assert synced[2:] == [f"{root}/sub", root]  # (directories after their files)
+    synced.clear()
+    assert resources.fsync_tree(str(tmp_path / "missing")) >= 0 and synced == []
 
 
 def test_peak_rss_counts_the_blocks_own_peak_only():

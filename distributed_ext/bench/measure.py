@@ -18,7 +18,7 @@ from distributed_ext.bench.export import _export_call, build_export_model
 from distributed_ext.bench.gather import _payload, make_state
 from distributed_ext.bench.methods import Result
 from distributed_ext.bench.progress import ProgressBar, Running
-from distributed_ext.bench.resources import PeakRSS, RankIO
+from distributed_ext.bench.resources import PeakRSS, RankIO, fsync_tree
 
 
 def _call(workload: str, method: str, data: Any, rank: int, world: int, dst: int,
@@ -187,20 +187,38 @@ def routes_in_fresh_ranks(label: str, routes: tuple[str, ...], rank_fn: Any, wor
             # first, outside any timing: it would land on whichever route runs next.
             os.sync()
             value = _dst_value(route, rank_fn, world, route, *args)
-            timings[route].append(Timing(**value["timing"]))
+            timing = Timing(**value["timing"])
+            timings[route].append(timing)
+            flushed = value.get("flushed")
+            if flushed:  # (a route that returned before its bytes were on the disk)
+                timings.setdefault(durable_route(route), []).append(Timing(
+                    timing.first + flushed[0],
+                    [w + f for w, f in zip(timing.warm, flushed[1:])]))
             io = [tuple(f) for f in value["io"]]
             got = figures.get(route)
             figures[route] = io if got is None else [
                 tuple(max(a, b) for a, b in zip(x, y)) for x, y in zip(got, io)]
             at = f" (launch {launch + 1} of {launches})" if launches > 1 else ""
             print(f"  done: {label}, {route}{at}", file=sys.stderr, flush=True)
-    return [(route, merge_launches(timings[route]), figures[route]) for route in routes]
+    return [(name, merge_launches(timings[name]), figures[route]) for route in routes
+            for name in (route, durable_route(route)) if name in timings]
 
 
-def _time_routes(route: str, model: Any, baseline: Any, out: str, repeat: int) -> dict | None:
+def durable_route(route: str) -> str:
+    """The row of a baseline route that returns before its bytes are on the disk, timed
+    until they are (its call, then :func:`~distributed_ext.bench.resources.fsync_tree` of
+    what it wrote: ours returns once its bytes are durable)."""
+    return f"{route}, then fsync of its files"
+
+
+def _time_routes(route: str, model: Any, baseline: Any, out: str, repeat: int,
+                 cached: bool = False) -> dict | None:
     """``model`` exported ``1 + repeat`` times by ``route`` (``writers=...``: ours; else
     ``baseline(path)``), into fresh directories ``out-<i>`` that dst removes; dst's Timing
-    and every rank's bytes written and sent in the first call, on dst (None elsewhere)."""
+    and every rank's bytes written and sent in the first call, on dst (None elsewhere).
+    ``cached``: the baseline writes through the page cache and returns without ``fsync``;
+    dst then times the ``fsync`` of its files after each call, outside the timing
+    (``"flushed"``: :func:`durable_route`)."""
     import shutil
     from dataclasses import asdict
 
@@ -221,11 +239,17 @@ def _time_routes(route: str, model: Any, baseline: Any, out: str, repeat: int) -
                 baseline(path)
         moved.append(counted)
 
+    flushed: list[float] = []
+
     def after(i: int, _value: None) -> None:
         if rank == 0:
+            if cached:
+                flushed.append(fsync_tree(f"{out}-{i}"))
             shutil.rmtree(f"{out}-{i}", ignore_errors=True)
 
     timing = time_calls(call, repeat, sync=dist.barrier, after=after)
     every: list[Any] = [None] * world
     dist.all_gather_object(every, (moved[0].written, moved[0].sent))  # (our own counts)
-    return {"timing": asdict(timing), "io": every} if rank == 0 else None
+    if rank != 0:
+        return None
+    return {"timing": asdict(timing), "io": every, **({"flushed": flushed} if cached else {})}
