@@ -505,8 +505,8 @@ def _cached_route_rank(route: str) -> dict | None:
 def test_a_route_that_returns_before_its_bytes_are_durable_gets_a_row_until_they_are(
         tmp_path):
     from distributed_ext._timing import Timing
-    from distributed_ext.bench.fsdp_tp import _durable_lines
     from distributed_ext.bench.measure import durable_route, routes_in_fresh_ranks
+    from distributed_ext.bench.tp import _durable_lines
 
     rows = routes_in_fresh_ranks("test", ("ours", "save"), _cached_route_rank, 2, launches=2)
     assert [r for r, _t, _io in rows] == ["ours", "save", "save, then fsync of its files"]

@@ -8,11 +8,11 @@ from typing import Any
 
 from distributed_ext._timing import Timing
 from distributed_ext.bench.export import _llama_config, _write_direct, _write_shares
-from distributed_ext.bench.measure import _time_routes, durable_route, routes_in_fresh_ranks
+from distributed_ext.bench.measure import _time_routes, routes_in_fresh_ranks
 from distributed_ext.bench.methods import _PARALLEL_DISK
 from distributed_ext.bench.resources import _filesystem, _load_text
 from distributed_ext.bench.sizes import format_size
-from distributed_ext.bench.tp import _ratio_lines, _route_table
+from distributed_ext.bench.tp import _durable_lines, _ratio_lines, _route_table
 
 _HF_SAVE = "transformers gather_full_state_dict+save_pretrained"
 FSDP_TP_ROUTES = ("writers=all", "writers=dst", _HF_SAVE, "disk O_DIRECT write",
@@ -117,14 +117,3 @@ def format_fsdp_tp(rows: list[tuple[str, Timing, list]], world: int, size: int, 
                  f"warm {one.median / ours.median:.2f}x")
     return lines
 
-
-def _durable_lines(get: dict[str, Timing], label: str, route: str, ours: Timing) -> list[str]:
-    """Beside a target judged against a baseline as it returns (with its bytes still in the
-    page cache), the same baseline until its bytes are on the disk, as ours returns: a
-    figure, not a target (:func:`~distributed_ext.bench.measure.durable_route`)."""
-    durable = get.get(durable_route(route))
-    if durable is None:
-        return []
-    return [f"  (no target) {label} until its files are on the disk (then fsync) / ours: "
-            f"first call {durable.first / ours.first:.2f}x, warm "
-            f"{durable.median / ours.median:.2f}x"]

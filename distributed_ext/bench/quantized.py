@@ -17,7 +17,6 @@ from typing import Any
 
 from distributed_ext._timing import Timing
 from distributed_ext.bench.export import _llama_config, _write_direct, _write_shares
-from distributed_ext.bench.fsdp_tp import _durable_lines
 from distributed_ext.bench.measure import durable_route, routes_in_fresh_ranks
 from distributed_ext.bench.methods import _PARALLEL_DISK
 from distributed_ext.bench.resources import (
@@ -28,7 +27,7 @@ from distributed_ext.bench.resources import (
     fsync_tree,
 )
 from distributed_ext.bench.sizes import format_size
-from distributed_ext.bench.tp import _ratio_lines, _route_table
+from distributed_ext.bench.tp import _durable_lines, _ratio_lines, _route_table
 
 _MODELOPT = "modelopt: full state to rank 0 + export_hf_checkpoint"
 QUANTIZED_ROUTES = ("writers=all", "writers=dst", _MODELOPT, "disk O_DIRECT write",

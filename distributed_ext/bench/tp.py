@@ -9,7 +9,7 @@ import os
 
 from distributed_ext._timing import Timing
 from distributed_ext.bench.many import _save_full_tensors
-from distributed_ext.bench.measure import _time_routes, routes_in_fresh_ranks
+from distributed_ext.bench.measure import _time_routes, durable_route, routes_in_fresh_ranks
 from distributed_ext.bench.resources import _filesystem, _load_text
 from distributed_ext.bench.sizes import format_size
 
@@ -95,3 +95,15 @@ def _ratio_lines(checks: list[tuple[str, Timing, float]], ours: Timing) -> list[
             lines.append(f"  {'met ' if ratio >= target else 'MISSED'} {label}, {when}: "
                          f"{ratio:.2f}x (target >= {target}x{each})")
     return lines
+
+
+def _durable_lines(get: dict[str, Timing], label: str, route: str, ours: Timing) -> list[str]:
+    """Beside a target judged against a baseline as it returns (with its bytes still in the
+    page cache), the same baseline until its bytes are on the disk, as ours returns: a
+    figure, not a target (:func:`~distributed_ext.bench.measure.durable_route`)."""
+    durable = get.get(durable_route(route))
+    if durable is None:
+        return []
+    return [f"  (no target) {label} until its files are on the disk (then fsync) / ours: "
+            f"first call {durable.first / ours.first:.2f}x, warm "
+            f"{durable.median / ours.median:.2f}x"]
