@@ -25,6 +25,20 @@ import hf_models  # noqa: E402
 SCALES_2 = [7.4e-6, 1.3e-4, 3.7e-3, 1.0, 250.0]
 
 
+def _compare_all() -> dict:
+    """Every comparison below in one fresh process (ModelOpt's import is most of a process's
+    start: 8-10 s here), each test then asserting its own; the fallback's last (it swaps
+    a kernel for a wrong one, then puts it back and forgets what was checked)."""
+    return {"nvfp4": _compare_nvfp4_all(), "nvfp4 other blocks": _compare_nvfp4_other_blocks(),
+            "fp8": _compare_fp8(), "many fp8 weights": _many_fp8_weights(),
+            "int4": _compare_int4(), "fallback": _fallback_where_the_kernel_differs()}
+
+
+@pytest.fixture(scope="module")
+def compared() -> dict:
+    return assert_all_ok(run_ranks(_compare_all, 1, init=False, timeout=420))[0]
+
+
 def _every_value(dtype: torch.dtype) -> torch.Tensor:
     values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
     return values[torch.randperm(65536, generator=torch.Generator().manual_seed(3))]
@@ -122,9 +136,8 @@ def _compare_nvfp4_all() -> list[str]:
     return _compare_nvfp4() + _compare_nvfp4_scale_boundaries()
 
 
-def test_nvfp4_kernel_equals_modelopts_arithmetic_on_every_value_and_scale_boundary():
-    # (one process for both: ModelOpt's import is most of a rank's start)
-    assert assert_all_ok(run_ranks(_compare_nvfp4_all, 1, init=False, timeout=240)) == [[]]
+def test_nvfp4_kernel_equals_modelopts_arithmetic_on_every_value_and_scale_boundary(compared):
+    assert compared["nvfp4"] == []
 
 
 def _compare_nvfp4_other_blocks() -> list[str]:
@@ -149,9 +162,8 @@ def _compare_nvfp4_other_blocks() -> list[str]:
     return wrong
 
 
-def test_nvfp4_kernel_at_other_block_sizes_equals_modelopts_arithmetic():
-    assert assert_all_ok(run_ranks(_compare_nvfp4_other_blocks, 1, init=False,
-                                   timeout=120)) == [[]]
+def test_nvfp4_kernel_at_other_block_sizes_equals_modelopts_arithmetic(compared):
+    assert compared["nvfp4 other blocks"] == []
 
 
 def _compare_fp8() -> list[str]:
@@ -174,8 +186,8 @@ def _compare_fp8() -> list[str]:
     return wrong
 
 
-def test_fp8_table_equals_modelopts_arithmetic_on_every_value():
-    assert assert_all_ok(run_ranks(_compare_fp8, 1, init=False, timeout=120)) == [[]]
+def test_fp8_table_equals_modelopts_arithmetic_on_every_value(compared):
+    assert compared["fp8"] == []
 
 
 def _many_fp8_weights() -> tuple[int, list[str]]:
@@ -203,10 +215,10 @@ def _many_fp8_weights() -> tuple[int, list[str]]:
     return len(held), wrong
 
 
-def test_fp8_tables_of_many_weights_are_held_at_most_a_bound():
+def test_fp8_tables_of_many_weights_are_held_at_most_a_bound(compared):
     from distributed_ext.export.plan import row_kernels
 
-    held, wrong = assert_all_ok(run_ranks(_many_fp8_weights, 1, init=False, timeout=120))[0]
+    held, wrong = compared["many fp8 weights"]
     assert wrong == []
     assert held <= row_kernels.TABLES.count, held  # (each weight's own: 300)
 
@@ -235,8 +247,8 @@ def _compare_int4() -> list[str]:
     return wrong
 
 
-def test_int4_kernel_equals_modelopts_arithmetic_on_every_value():
-    assert assert_all_ok(run_ranks(_compare_int4, 1, init=False, timeout=120)) == [[]]
+def test_int4_kernel_equals_modelopts_arithmetic_on_every_value(compared):
+    assert compared["int4"] == []
 
 
 def _fallback_where_the_kernel_differs() -> tuple:
@@ -268,9 +280,8 @@ def _fallback_where_the_kernel_differs() -> tuple:
     return (wrong is None, [str(w.message) for w in caught], right is not None)
 
 
-def test_a_kernel_that_differs_from_modelopt_is_not_used():
-    [(refused, said, used)] = assert_all_ok(run_ranks(_fallback_where_the_kernel_differs, 1,
-                                                      init=False, timeout=120))
+def test_a_kernel_that_differs_from_modelopt_is_not_used(compared):
+    refused, said, used = compared["fallback"]
     assert refused and used
     assert any("compiled nvfp4 arithmetic differs from ModelOpt's" in s for s in said), said
 
