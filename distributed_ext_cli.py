@@ -28,6 +28,11 @@ def bench() -> int:
         from distributed_ext.bench import main
     except KeyboardInterrupt:
         interrupted.append(signal.SIGINT)
+    except BaseException:
+        # An import the interrupt cut short can fail later as something else (numpy's C
+        # module loaded again after a half-done first load: an ImportError): the Ctrl-C.
+        if not interrupted:
+            raise
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if interrupted:
         print("\ndistributed-ext-bench: interrupted while starting; nothing ran",

@@ -39,6 +39,12 @@ try:
     from distributed_ext._spawn import run_local
 except KeyboardInterrupt:
     _interrupted = True
+except BaseException:
+    # An import the interrupt cut short can fail later in the same import as something
+    # else (numpy's C module, loaded again after a half-done first load: "ImportError:
+    # cannot load module more than once per process"): after a Ctrl-C, that is the Ctrl-C.
+    if not _interrupted:
+        raise
 signal.signal(signal.SIGINT, signal.default_int_handler)
 if _interrupted:
     print("export_fsdp2_hf: interrupted while starting; nothing ran", file=sys.stderr, flush=True)

@@ -86,6 +86,40 @@ def test_export_fsdp2_hf_example_under_torchrun(tmp_path):
     _assert_loaded_logits_match_printed(run_torchrun([EXPORT, "--out", str(out)]), out)
 
 
+# A torch whose import a Ctrl-C cuts short and that then fails as something else: what a
+# real import did once in CI (the interrupt inside numpy's C module, swallowed on the way,
+# then "ImportError: cannot load module more than once per process").
+_INTERRUPTED_IMPORT = """
+import os, signal
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+except BaseException:
+    pass
+raise ImportError("cannot load module more than once per process")
+"""
+
+
+@pytest.mark.parametrize("entry", ["example", "cli"])
+def test_an_import_that_fails_after_a_ctrl_c_is_the_ctrl_c(entry, tmp_path):
+    import subprocess
+
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(_INTERRUPTED_IMPORT)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "fake")}
+    cmd = ([sys.executable, EXPORT, "--world", "2", "--out", str(tmp_path / "ckpt")]
+           if entry == "example" else
+           [sys.executable, "-c", "import sys, distributed_ext_cli; "
+            "sys.exit(distributed_ext_cli.bench())"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "interrupted while starting" in proc.stderr
+    # (without the interrupt, the same failure is raised as it is)
+    (fake / "__init__.py").write_text('raise ImportError("no torch here")')
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert proc.returncode == 1 and "ImportError: no torch here" in proc.stderr
+
+
 @pytest.mark.parametrize("when", ["importing", "ranks running"])
 def test_export_fsdp2_hf_example_ctrl_c_is_a_message_not_a_traceback(when, tmp_path):
     import signal

@@ -4,7 +4,7 @@ of bfloat16 and float16 (infinities included; NaN blocks as far as ModelOpt's ow
 defined), the fallback
 to ModelOpt's where a kernel differs, and a one-process export that takes the compiled
 path for every quantized weight and still equals ModelOpt's own export. ModelOpt is
-imported only in the ranks (a fresh process each)."""
+imported only in fresh processes: one for all the comparisons, one for each export."""
 
 from __future__ import annotations
 
