@@ -193,22 +193,16 @@ def fsync_tree(path: str) -> float:
     durable. 0.0 for a path that is not there."""
     import time
 
+    from distributed_ext.export.files.publish import _fsync_path
+
     start = time.perf_counter()
     dirs = []
     for root, _subdirs, files in os.walk(path):
         dirs.append(root)
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_path(os.path.join(root, name))
     for root in reversed(dirs):
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_path(root, directory=True)
     return time.perf_counter() - start
 
 
