@@ -39,7 +39,7 @@ The checkpoint's layout and the families tested: ``docs/checkpoint.md``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import astuple
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
@@ -94,8 +94,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
     ``make_sink`` then gets its JSON files.
     """
 
-    probes: dict[str, _quantized.Probe] | None = None  # (every rank's share: _fuse_quantized)
-    early_state: dict[str, Any] | None = None  # (this rank's state, resolved there)
+    fused = _Fused()  # (every rank's probes, this rank's state: _fuse_quantized)
     _keys.forget()  # (what an earlier export remembered: the model may have changed since)
     _quantized.forget()
 
@@ -128,14 +127,15 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         # Inside the agreed round: a state_dict() hook that raises on one rank is raised
         # on every rank, not by that rank alone (as in the quantized layers' round, where
         # it was resolved already if there is one).
-        if early_state is not None:
-            state, model = early_state, unwrap(model_or_state)
+        if fused.state is not None:
+            state, model = fused.state, unwrap(model_or_state)
         else:
             state, model = resolve_state(model_or_state)
         quantized = None
         if quantize and hub_keys and model is not None:
             # (state rewritten as ModelOpt writes it; a format not written by blocks raises)
-            quantized = _quantized.prepare(model, state, probes=probes)
+            quantized = _quantized.prepare(model, state, probes=fused.probes,
+                                           quant_config=fused.config)
         recorded = recorded_plan(model) if model is not None else None
         # Each key's local block, looked up once here: the transfer reads these.
         local: dict[str, torch.Tensor] = {}
@@ -184,8 +184,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         return sink, model
     ctx = _agree.resolve_group(group, what)
     if quantize and hub_keys and isinstance(model_or_state, nn.Module):
-        probes, early_state = _fuse_quantized(unwrap(model_or_state), group, what, ctx.rank,
-                                              ctx.size)
+        fused = _fuse_quantized(unwrap(model_or_state), group, what, ctx.rank, ctx.size)
     with _watch.DeferredInterrupts() as deferred:
         held = {}
         summaries = all_reduce(f"{what}: metadata", lambda: describe(held), list, group)
@@ -285,8 +284,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
 
 
 def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str,
-                    index: int = 0, count: int = 1
-                    ) -> tuple[dict[str, _quantized.Probe] | None, dict[str, Any] | None]:
+                    index: int = 0, count: int = 1) -> _Fused:
     """ModelOpt's fusing of the shared-input layers of a model quantized with pre-quant scales
     (AWQ, SmoothQuant), which rescales their weights (:func:`plan.shared_inputs.needs_gather`):
     first agreed by every rank (a model quantized so on some ranks only is a ValueError on
@@ -299,35 +297,38 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     forward is the one step here whose collectives are not ours: a rank that fails inside it
     leaves its peers in that collective until the watch or the group's timeout names it.)
 
-    Returns every quantized weight's probe (:func:`plan.quantized.probe_share`), each rank
-    (group rank ``index`` of ``count``) computing its share once the layers are fused: in
-    the first round, else in one more; None for a model ModelOpt did not quantize on any
-    rank, and where ``count`` is 1 (then :func:`plan.quantized.prepare` probes them all).
-    Beside them, where the probes were made in the first round: this rank's model state,
-    resolved there once the layers were fused (nothing changes the model after it), for the
-    metadata round to take instead of resolving it again (0.02 s a call for a 1 GiB Llama;
-    a rank's failure there is agreed as in the metadata round); else None."""
+    Returns (:class:`_Fused`) every quantized weight's probe
+    (:func:`plan.quantized.probe_share`), each rank (group rank ``index`` of ``count``)
+    computing its share once the layers are fused, and the last rank ModelOpt's quantization
+    config: in the first round, else in one more; None for a model ModelOpt did not quantize
+    on any rank, and where ``count`` is 1 (then :func:`plan.quantized.prepare` probes them
+    all). Beside them, where the probes were made in the first round: this rank's model
+    state, resolved there once the layers were fused (nothing changes the model after it),
+    for the metadata round to take instead of resolving it again (0.02 s a call for a 1 GiB
+    Llama; a rank's failure there is agreed as in the metadata round); else None."""
     state: dict[str, Any] | None = None
+    Share = tuple[dict[str, _quantized.Probe] | None, dict[str, Any] | None]
 
-    def share(pre_quant: bool) -> dict[str, _quantized.Probe] | None:
-        """This rank's probes; ``pre_quant``: whether the model has pre-quant scales (their
-        layers then fused already, by the rounds below: not again)."""
+    def share(pre_quant: bool) -> Share:
+        """This rank's probes, and the config where it asks it; ``pre_quant``: whether the
+        model has pre-quant scales (their layers then fused already, by the rounds below:
+        not again)."""
         nonlocal state
         if count == 1:  # (prepare probes them all: the same, with no second look at them)
-            return None
-        probes, state = _quantized.probe_share(
+            return None, None
+        probes, state, config = _quantized.probe_share(
             model, lambda: resolve_state(model)[0], index, count, pre_quant=pre_quant)
-        return probes
+        return probes, config
 
-    def first() -> tuple[bool, dict[str, _quantized.Probe] | None]:
+    def first() -> tuple[bool, Share]:
         if _shared_inputs.needs_gather(model):
-            return True, None
+            return True, (None, None)
         return False, share(pre_quant=False)
 
     got = all_reduce(f"{what}: quantized layers", first, list, group)
-    flags = [flag for flag, _probes in got]
+    flags = [flag for flag, _share in got]
     if not any(flags):
-        return _merge_probes([probes for _flag, probes in got]), state
+        return _merge_shares([share for _flag, share in got], state)
     if not all(flags):
         ranks = [r for r, f in enumerate(flags) if not f]
         raise ValueError(f"{what}: the model has ModelOpt's pre-quant scales (AWQ, SmoothQuant) "
@@ -343,19 +344,33 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
         all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
                    lambda: _shared_inputs.fuse_shared_inputs(model), list, group)
     if count == 1:
-        return None, None
-    return _merge_probes(all_reduce(f"{what}: the quantized weights' probes, each rank its "
-                                    "share", lambda: share(pre_quant=True), list, group)), None
+        return _Fused()
+    return _merge_shares(all_reduce(f"{what}: the quantized weights' probes, each rank its "
+                                    "share", lambda: share(pre_quant=True), list, group), None)
 
 
-def _merge_probes(shares: list[dict[str, _quantized.Probe] | None]
-                  ) -> dict[str, _quantized.Probe] | None:
+@dataclass
+class _Fused:
+    """What the quantized layers' rounds (:func:`_fuse_quantized`) hand the metadata round:
+    every rank's probes merged (None where no rank probed: then ModelOpt's steps before it
+    quantizes run in :func:`plan.quantized.prepare`), ModelOpt's quantization config where
+    a rank asked it, and this rank's state where it was resolved there."""
+
+    probes: dict[str, _quantized.Probe] | None = None
+    config: dict[str, Any] | None = None
+    state: dict[str, Any] | None = None
+
+
+def _merge_shares(shares: list[tuple[dict[str, _quantized.Probe] | None,
+                                     dict[str, Any] | None]],
+                  state: dict[str, Any] | None) -> _Fused:
     """The ranks' shares of the probes as one dict (a weight no share has is probed where it
-    is planned); None where no rank probed (then ModelOpt's steps before it quantizes run in
-    :func:`plan.quantized.prepare`)."""
-    if all(share is None for share in shares):
-        return None
-    return {k: v for share in shares if share is not None for k, v in share.items()}
+    is planned), and the config the one rank that asked it sent."""
+    if all(probes is None for probes, _config in shares):
+        return _Fused(state=state)
+    config = next((c for _probes, c in shares if c is not None), None)
+    return _Fused({k: v for probes, _c in shares if probes is not None
+                   for k, v in probes.items()}, config, state)
 
 
 def resolve_described(summaries: list[Described], mine: Described, what: str,
