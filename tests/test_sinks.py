@@ -106,3 +106,39 @@ def test_memory_sink_checks_every_row_against_its_entry():
     assert sink.tensors["a"].view(torch.uint8).tolist() == list(range(16))
     with pytest.raises(ValueError, match="'b': bytes \\[1, 4\\) lie outside its 3 bytes"):
         sink.write_batch(data, torch.tensor([[1, 1, 0, 3]], dtype=torch.int64))
+
+
+def test_mapped_sink_writes_long_rows_with_pwrite_and_short_ones_mapped(ram_path, monkeypatch):
+    # On a RAM filesystem every rank writes every row whole (``mapped``): rows from 2 KiB on
+    # with one pwrite each, the shorter ones copied into the mapping; bytes exact either way.
+    from distributed_ext import _direct_io
+
+    monkeypatch.setattr(export_sinks, "MAPPED_LONG_RUN", 2048)
+    shapes = [(1000,), (3, 777), (), (0, 4), (5000,), (17,)]
+    entries = [E.Entry(f"t{i}", torch.float32, s, index=i) for i, s in enumerate(shapes)]
+    tensors = [torch.randn(s, generator=torch.Generator().manual_seed(i))
+               for i, s in enumerate(shapes)]
+    rows, total = _random_rows(entries, seed=2, max_run=4000)
+    data = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    starts = list(itertools.accumulate([0] + [e.nbytes for e in entries[:-1]]))
+    table = torch.tensor([(i, off, starts[i] + off, n) for i, off, _at, n in rows],
+                         dtype=torch.int64)
+    long = int(table[:, 3][table[:, 3] >= 2048].sum())
+    assert 0 < long < total  # (both ways are taken)
+    out = os.path.join(ram_path, "ckpt")
+    sink = E.FileSink(out, [entries[:3], entries[3:]])
+    sink.mapped = True
+    before = _direct_io.mapped_bytes()
+    for part in table.split(5):
+        sink.write_middles(data, part.contiguous())
+    assert _direct_io.mapped_bytes() - before == total - long
+    with pytest.raises(ValueError, match="reaches past"):
+        sink.write_middles(data, torch.tensor([[5, 0, 0, 4000]], dtype=torch.int64))
+    sink.commit()
+    got = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".safetensors"):
+            got.update(safetensors_torch.load_file(os.path.join(out, name)))
+    assert sorted(got) == sorted(e.key for e in entries)
+    for e, t in zip(entries, tensors):
+        assert torch.equal(got[e.key], t), e.key

@@ -42,11 +42,13 @@ while dst holds 22 MiB instead of 48-112 MiB and under 320 KiB a rank crosses th
 Across hosts "all" is the one that scales (``benchmarks/RESULTS.md``).
 
 On a RAM filesystem (tmpfs, ramfs; every rank finds the stage on one, agreed in the same
-status round) none of the above travels: each rank copies every byte it holds into a shared
-mapping of the files (:data:`MAP_RAM_FILES`; ``DirectFile.write_mapped``). There the page
-cache is the storage, so two ranks filling one page is two copies into the same memory, not
-two writes racing for a disk block; and where ``pwrite`` makes the ranks take turns on the
-file's lock, mapped copies run side by side.
+status round) none of the above travels: each rank writes every byte it holds into the
+files itself, its short runs copied into a shared mapping of them (:data:`MAP_RAM_FILES`;
+``DirectFile.write_mapped``), its long ones with one ``pwrite`` each
+(``sinks.MAPPED_LONG_RUN``). There the page cache is the storage, so two ranks filling one
+page is two copies into the same memory, not two writes racing for a disk block; short
+runs mapped cost a copy each, not a syscall and a turn on the file's lock; long runs
+written fill fresh pages in the kernel's write path, not a fault per 4 KiB page.
 """
 
 from __future__ import annotations
