@@ -162,10 +162,8 @@ class FileSink:
         small = n < SMALL_RUN
         if not bool(small.all()):
             for i in (~small).nonzero().flatten().tolist():
-                file, a = self.files[int(fid[i])], int(at[i])
-                self._written.add(file)
-                with self._opened(file):
-                    file.write(int(offset[i]), data[a : a + int(n[i])])
+                a = int(at[i])
+                self._write_run(self.files[int(fid[i])], int(offset[i]), data[a : a + int(n[i])])
             offset, fid, at, n = offset[small], fid[small], at[small], n[small]
             if not len(n):
                 return
@@ -205,11 +203,9 @@ class FileSink:
                                  offset[small] + lo[small], (hi - lo)[small]), 1)
             self._write_segments(fid[small], table)
         for i in (some & ~small).nonzero().flatten().tolist():
-            file, a, b = self.files[int(fid[i])], int(lo[i]), int(hi[i])
-            start = int(at[i])
-            self._written.add(file)
-            with self._opened(file):
-                file.write(int(offset[i]) + a, data[start + a : start + b])
+            a, b, start = int(lo[i]), int(hi[i]), int(at[i])
+            self._write_run(self.files[int(fid[i])], int(offset[i]) + a,
+                            data[start + a : start + b])
 
     def _write_mapped(self, data: torch.Tensor, rows: torch.Tensor) -> None:
         """:meth:`write_middles` where the files are mapped (:attr:`mapped`): every row
@@ -231,9 +227,7 @@ class FileSink:
                 if where < 0 or where + size > file.size:  # (as the mapping checks its own)
                     raise ValueError(f"a row of {size} bytes at offset {where} reaches past "
                                      f"{file.path}'s {file.size} bytes")
-                self._written.add(file)
-                with self._opened(file):
-                    file.write(where, data[start : start + size])
+                self._write_run(file, where, data[start : start + size])
             short = ~long
             fid, offset, at, n = fid[short], offset[short], at[short], n[short]
             if not len(n):
@@ -241,6 +235,13 @@ class FileSink:
         # data is held by the caller until this returns
         self._write_segments(fid, torch.stack((at + data.data_ptr(), offset, n), 1),
                              mapped=True)
+
+    def _write_run(self, file: _direct_io.DirectFile, offset: int, data: torch.Tensor) -> None:
+        """One long run's bytes at ``offset`` of ``file`` (direct where it can), the file
+        opened for it and counted as written (:meth:`finish` makes it durable)."""
+        self._written.add(file)
+        with self._opened(file):
+            file.write(offset, data)
 
     def _write_segments(self, fid: torch.Tensor, table: torch.Tensor,
                         mapped: bool = False) -> None:
