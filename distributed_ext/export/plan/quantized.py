@@ -143,13 +143,15 @@ def _find_sources(model: nn.Module) -> dict[str, Any]:
         if not fused and "weight_quantizer" not in subs:
             continue
         prefix = f"{name}." if name else ""
-        first_proj = getattr(module, "_first_proj_attr", "gate_up_proj")
-        if fused and isinstance(getattr(module, f"{first_proj}_weight_quantizers", None),
-                                nn.ModuleList):
-            for attr in (first_proj, "down_proj"):
-                if isinstance(getattr(module, f"{attr}_weight_quantizers", None), nn.ModuleList):
-                    out[prefix + attr] = (module, attr)
-            continue
+        if fused:
+            first_proj = getattr(module, "_first_proj_attr", "gate_up_proj")
+            if isinstance(getattr(module, f"{first_proj}_weight_quantizers", None),
+                          nn.ModuleList):
+                for attr in (first_proj, "down_proj"):
+                    if isinstance(getattr(module, f"{attr}_weight_quantizers", None),
+                                  nn.ModuleList):
+                        out[prefix + attr] = (module, attr)
+                continue
         wq = getattr(module, "weight_quantizer", None)
         if isinstance(wq, nn.Module) and isinstance(getattr(module, "weight", None), torch.Tensor):
             # (asked of ModelOpt once: its probe of a module is most of this walk's cost)
