@@ -11,6 +11,7 @@
 #include "heartbeat.h"
 #include "quantize.h"
 #include "segments.h"
+#include "write_queue.h"
 
 #ifndef DEXT_TORCH_VERSION
 #error "setup.py defines DEXT_TORCH_VERSION (the torch the extension is compiled against)"
@@ -159,4 +160,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("device_pack_pieces", &distributed_ext::device_pack_pieces, pybind11::arg("table_ptr"),
         pybind11::arg("npieces"), pybind11::arg("stream"),
         "One kernel copying rows (src_ptr, dst_ptr, nbytes) of a device table (CUDA build only).");
+  pybind11::class_<distributed_ext::WriteQueue>(
+      m, "WriteQueue",
+      "Direct writes done in order by a native thread of their own (no GIL between them).")
+      .def(pybind11::init<int64_t>(), pybind11::arg("bounce_bytes"))
+      .def("submit", &distributed_ext::WriteQueue::submit, pybind11::arg("direct_fd"),
+           pybind11::arg("buffered_fd"), pybind11::arg("src"), pybind11::arg("nbytes"),
+           pybind11::arg("offset"),
+           "Queue whole aligned blocks (src, nbytes) for offset; returns the job's ticket.")
+      .def("wait", &distributed_ext::WriteQueue::wait, pybind11::arg("ticket"),
+           pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "Wait for the jobs up to ticket: (errno or 0, the failed job's ticket, fell_back).")
+      .def("direct_bytes", &distributed_ext::WriteQueue::direct_bytes,
+           "Bytes written with O_DIRECT so far.")
+      .def("close", &distributed_ext::WriteQueue::close,
+           pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "Wait for every job, then stop the thread (idempotent).");
 }

@@ -36,7 +36,8 @@ import threading
 
 import torch
 
-__all__ = ["ALIGN", "DirectFile", "aligned_empty", "filesystem_of", "on_ram_filesystem", "place"]
+__all__ = ["ALIGN", "DirectFile", "WriteQueue", "aligned_empty", "filesystem_of",
+           "on_ram_filesystem", "place"]
 
 ALIGN = 4096
 # Bounce buffer per writing thread; a direct write of unaligned memory goes in its halves.
@@ -136,6 +137,57 @@ def _pwrite_fully(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+class WriteQueue:
+    """Direct writes done in order by a native thread (:func:`_native.write_queue`), so that
+    the next one starts as the last returns, with no Python between them.
+
+    Why: a direct write issued from Python takes the GIL back when it returns before the
+    next can start. Beside a thread busy in Python (the export's staging), each write waits
+    for it: measured on the 2-core VM's ext4, both ranks replaying an export's 300 direct
+    writes of ~300 MB each, 0.97 / 0.54 s of writes alone, 2.66 / 2.28 s beside a thread
+    running Python.
+
+    Lifetime rule: the bytes of a write are borrowed until :meth:`wait` covering its ticket
+    (or :meth:`close`) returns; the caller keeps them alive and unmodified until then. A
+    file's descriptors are duplicated per write, so the file may be closed meanwhile.
+    Used by one thread at a time.
+    """
+
+    def __init__(self, bounce_bytes: int = BOUNCE_BYTES) -> None:
+        from distributed_ext import _native
+
+        self._queue = _native.write_queue(bounce_bytes)
+        self._paths: collections.deque[tuple[int, str]] = collections.deque()
+        self.last = 0  # the ticket of the last write submitted (0: none yet)
+
+    def submit(self, file: DirectFile, offset: int, data: torch.Tensor) -> int:
+        """Queues the direct write of ``data`` (contiguous uint8 CPU, whole blocks) at
+        ``offset`` (a block boundary) of ``file``; returns its ticket."""
+        assert file.direct_fd is not None
+        self.last = self._queue.submit(file.direct_fd, file.fd, data.data_ptr(), data.numel(),
+                                       offset)
+        self._paths.append((self.last, file.path))
+        with file._lock:
+            file.direct_bytes += data.numel()
+        return self.last
+
+    def wait(self, ticket: int | None = None) -> None:
+        """Returns once every write up to ``ticket`` (default: all) is done; raises OSError,
+        naming the file, for the first that failed (no later write then writes anything)."""
+        ticket = self.last if ticket is None else ticket
+        err, bad, _fell_back = self._queue.wait(ticket)
+        while self._paths and self._paths[0][0] <= ticket and self._paths[0][0] != bad:
+            self._paths.popleft()
+        if err:
+            path = self._paths[0][1] if self._paths and self._paths[0][0] == bad else "?"
+            raise OSError(err, os.strerror(err), path)
+
+    def close(self) -> None:
+        """Waits for every write, then stops the thread (idempotent; failures are raised by
+        :meth:`wait`, not here)."""
+        self._queue.close()
+
+
 class DirectFile:
     """A new file of a known ``size``, written at offsets, direct where the filesystem allows.
 
@@ -172,8 +224,10 @@ class DirectFile:
             self.close()
             raise
 
-    def write(self, offset: int, data: torch.Tensor) -> None:
-        """Writes the bytes of ``data`` (contiguous uint8, CPU) at ``offset``."""
+    def write(self, offset: int, data: torch.Tensor, queue: WriteQueue | None = None) -> None:
+        """Writes the bytes of ``data`` (contiguous uint8, CPU) at ``offset``. With ``queue``,
+        the aligned middle that goes direct is queued there (the caller keeps ``data`` alive
+        until the queue is waited for: :class:`WriteQueue`); the rest is written now."""
         n = data.numel()
         if n == 0:
             return
@@ -186,6 +240,9 @@ class DirectFile:
             _pwrite_fully(self.fd, _memoryview(data[:lo]), offset)
         if hi < n:
             _pwrite_fully(self.fd, _memoryview(data[hi:]), offset + hi)
+        if queue is not None:
+            queue.submit(self, offset + lo, data[lo:hi])
+            return
         self._write_direct(offset + lo, data[lo:hi])
 
     def write_segments(self, segments: list[tuple[int, int, int]] | torch.Tensor) -> None:

@@ -218,6 +218,14 @@ def empty_bytearray(nbytes: int, prefault: bool = False, huge_pages: bool = True
         raise MemoryError(f"cannot allocate a bytearray of {nbytes} bytes") from None
 
 
+def write_queue(bounce_bytes: int) -> Any:
+    """A native writer thread for direct writes (``_C.WriteQueue``: submit, wait, close):
+    each job is written in order with no GIL between jobs; a job whose source is not
+    block-aligned goes through the queue's own ``bounce_bytes`` buffer. Use it through
+    :class:`distributed_ext._direct_io.WriteQueue`, which names the files and raises."""
+    return _C.WriteQueue(int(bounce_bytes))
+
+
 def copy_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: int) -> None:
     """Enqueues a host<->device copy on the CUDA stream handle ``stream`` (CUDA build only).
 

@@ -221,3 +221,88 @@ def test_a_mapped_write_outside_the_file_is_refused_before_any_byte_moves(tmp_pa
         _native.map_write_segments(f.map_fd, [(0, 0, 10)], 100)
     f.close()
     assert f.map_fd == -1
+
+
+# -- WriteQueue: direct writes done by a native thread -------------------------------------------
+
+
+def test_queued_writes_of_every_alignment_land_in_place_and_the_files_may_close_meanwhile(
+        tmp_path):
+    size = 2 * _direct_io.BOUNCE_BYTES + 5 * ALIGN  # jobs larger than the bounce buffer too
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(5))
+    paths = [str(tmp_path / f"f{i}") for i in range(2)]
+    files = [DirectFile(p, size) for p in paths]
+    if files[0].direct_fd is None:
+        for f in files:
+            f.close()
+        pytest.skip(f"{tmp_path} takes no O_DIRECT: nothing is queued there")
+    queue = _direct_io.WriteQueue()
+    kept = []  # the queued bytes stay alive until waited for
+    try:
+        # Whole aligned blocks, from aligned memory (direct as they are) and from memory
+        # one byte off (through the queue's bounce buffer), in pieces of every size.
+        cuts = [0, ALIGN, 3 * ALIGN, _direct_io.BOUNCE_BYTES + 2 * ALIGN, size]
+        for i, file in enumerate(files):
+            for j, (a, b) in enumerate(zip(cuts, cuts[1:])):
+                src = aligned_empty(b - a, shift=(i + j) % 2)
+                src.copy_(data[a:b])
+                kept.append(src)
+                queue.submit(file, a, src)
+            file.close()  # its descriptors were duplicated per write
+        queue.wait()
+        assert queue.last == 2 * (len(cuts) - 1)
+    finally:
+        queue.close()
+    for path, file in zip(paths, files):
+        assert file.direct_bytes == size
+        with open(path, "rb") as f:
+            assert f.read() == data.numpy().tobytes()
+
+
+def test_a_failed_queued_write_is_raised_naming_its_file_and_nothing_after_it_is_written(
+        tmp_path):
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    files = [DirectFile(good, 4 * ALIGN), DirectFile(bad, 4 * ALIGN)]
+    if files[0].direct_fd is None:
+        for f in files:
+            f.close()
+        pytest.skip(f"{tmp_path} takes no O_DIRECT: nothing is queued there")
+    src = aligned_empty(ALIGN).fill_(7)
+    queue = _direct_io.WriteQueue()
+    try:
+        # The bad file's descriptors replaced by one open for reading only: EBADF.
+        for fd in (files[1].direct_fd, files[1].fd):
+            os.dup2(os.open(bad, os.O_RDONLY), fd)
+        first = queue.submit(files[0], 0, src)
+        queue.submit(files[1], 0, src)
+        last = queue.submit(files[0], ALIGN, src)
+        queue.wait(first)  # the good write before the failure: no error
+        with pytest.raises(OSError) as info:
+            queue.wait(last)
+        assert info.value.errno == errno.EBADF and info.value.filename == bad
+    finally:
+        queue.close()
+        for f in files:
+            f.close()
+    with open(good, "rb") as f:  # the write after the failed one wrote nothing
+        assert f.read() == bytes([7]) * ALIGN + bytes(3 * ALIGN)
+
+
+def test_a_queued_write_is_refused_before_it_is_queued_where_it_is_not_whole_blocks(tmp_path):
+    file = DirectFile(str(tmp_path / "f"), 4 * ALIGN)
+    queue = _direct_io.WriteQueue()
+    try:
+        if file.direct_fd is None:
+            pytest.skip(f"{tmp_path} takes no O_DIRECT: nothing is queued there")
+        src = aligned_empty(2 * ALIGN)
+        for offset, data in ((1, src[:ALIGN]), (0, src[: ALIGN + 1]), (0, src[:0])):
+            with pytest.raises(ValueError, match="whole aligned blocks"):
+                queue.submit(file, offset, data)
+        assert queue.last == 0
+    finally:
+        queue.close()
+        file.close()
+    queue.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        queue._queue.submit(0, 0, src.data_ptr(), ALIGN, 0)

@@ -645,11 +645,11 @@ def _export_killed_mid_transfer(out, victim, death_file, writers, tp=False):
         calls = []
 
         def dying(real, at):
-            def write(self, data, rows):
+            def write(self, data, rows, **kw):
                 calls.append(1)
                 if len(calls) == at:
                     die()
-                real(self, data, rows)
+                real(self, data, rows, **kw)
             return write
 
         if tp:  # while writing the TP regions it owns

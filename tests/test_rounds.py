@@ -285,11 +285,11 @@ def _interrupted_on_dst(out, where):
         if where == "transfer":
             real_write, calls = E.FileSink.write_batch, []
 
-            def write(self, data, rows):
+            def write(self, data, rows, **kw):
                 calls.append(1)
                 if len(calls) == 2:
                     interrupt()
-                real_write(self, data, rows)
+                real_write(self, data, rows, **kw)
 
             E.FileSink.write_batch = write
         elif where == "commit-start":

@@ -277,9 +277,9 @@ def _store_host_killed(port, world, where, death_file):
             if rank == 0:
                 real = sinks.FileSink.write_batch
 
-                def write_batch(self, data, rows):
+                def write_batch(self, data, rows, **kw):
                     die()
-                    real(self, data, rows)
+                    real(self, data, rows, **kw)
 
                 sinks.FileSink.write_batch = write_batch
             state = {f"r{rank}.w{i}": torch.full((2**16,), float(i)) for i in range(64)}

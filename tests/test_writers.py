@@ -38,10 +38,12 @@ def _written_bytes() -> int:
 
 def _recording_writes(fn):
     """Runs ``fn()``; the ``(file name, offset, nbytes)`` of every write this rank made to a
-    checkpoint file (pwrite, direct or not, and the native batched writes)."""
+    checkpoint file (pwrite, direct or not, the native batched writes and those queued to
+    the native writer thread)."""
     from distributed_ext import _direct_io, _native
 
     writes, real_pwrite, real_segments = [], _direct_io._pwrite_fully, _native.pwrite_segments
+    real_submit = _direct_io.WriteQueue.submit
 
     def name(fd):
         return os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
@@ -55,11 +57,17 @@ def _recording_writes(fn):
         writes.extend((name(fd), offset, n) for _src, offset, n in rows)
         return real_segments(fd, table)
 
+    def submit(queue, file, offset, data):
+        writes.append((os.path.basename(file.path), offset, data.numel()))
+        return real_submit(queue, file, offset, data)
+
     _direct_io._pwrite_fully, _native.pwrite_segments = pwrite, segments
+    _direct_io.WriteQueue.submit = submit
     try:
         fn()
     finally:
         _direct_io._pwrite_fully, _native.pwrite_segments = real_pwrite, real_segments
+        _direct_io.WriteQueue.submit = real_submit
     return writes
 
 
@@ -524,7 +532,7 @@ def _fails_first_while_others_write(out, how, victim):
     calls = []
     real = E.FileSink.write_middles
 
-    def write_middles(self, data, rows):
+    def write_middles(self, data, rows, **kw):
         calls.append(int(data.numel()))
         if r == victim:
             if how == "interrupt":  # the deferred Ctrl-C: raised in the agreeing round
@@ -533,7 +541,7 @@ def _fails_first_while_others_write(out, how, victim):
                 raise OSError(28, "No space left on device")
         else:
             time.sleep(0.1)
-        return real(self, data, rows)
+        return real(self, data, rows, **kw)
 
     E.FileSink.write_middles = write_middles
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh

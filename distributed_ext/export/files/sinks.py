@@ -143,15 +143,23 @@ class FileSink:
             with self._lock:
                 self._open[file] -= 1
 
-    def write_batch(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+    # Its long runs' direct writes may be queued to a native writer (write_batch and
+    # write_middles take ``queue``: :class:`~distributed_ext._direct_io.WriteQueue`).
+    takes_queue = True
+
+    def write_batch(self, data: torch.Tensor, rows: torch.Tensor,
+                    queue: _direct_io.WriteQueue | None = None) -> None:
         """Writes ``data[at : at + n]`` at ``offset`` of each row's entry (a :func:`_rows`
         table): runs under ``SMALL_RUN`` bytes are assembled into their file's regions (a
         few tensor operations and one native copy per region, however many runs), larger
-        ones each through :meth:`DirectFile.write` (direct where it can)."""
+        ones each through :meth:`DirectFile.write` (direct where it can; with ``queue``,
+        their direct parts queued there, ``data`` kept alive by the caller until it is
+        waited for)."""
         assert not self.joined, "a joined writer writes middles and edges only"
-        self._write_rows(data, rows)
+        self._write_rows(data, rows, queue)
 
-    def _write_rows(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+    def _write_rows(self, data: torch.Tensor, rows: torch.Tensor,
+                    queue: _direct_io.WriteQueue | None = None) -> None:
         """:meth:`write_batch` (also a joined writer's shared blocks: :meth:`write_edges`)."""
         if not len(rows):
             return
@@ -163,7 +171,8 @@ class FileSink:
         if not bool(small.all()):
             for i in (~small).nonzero().flatten().tolist():
                 a = int(at[i])
-                self._write_run(self.files[int(fid[i])], int(offset[i]), data[a : a + int(n[i])])
+                self._write_run(self.files[int(fid[i])], int(offset[i]), data[a : a + int(n[i])],
+                                queue)
             offset, fid, at, n = offset[small], fid[small], at[small], n[small]
             if not len(n):
                 return
@@ -176,7 +185,8 @@ class FileSink:
             mine = fid == number
             self._regions.assemble(self.files[number], src[mine], offset[mine], n[mine])
 
-    def write_middles(self, data: torch.Tensor, rows: torch.Tensor) -> None:
+    def write_middles(self, data: torch.Tensor, rows: torch.Tensor,
+                      queue: _direct_io.WriteQueue | None = None) -> None:
         """Writes only the whole aligned blocks inside each row (a :func:`_rows` table) of
         the runs a rank writes itself (``writers="all"``); the partial blocks at a row's
         ends are their owners' (:meth:`write_edges`; they get their bytes:
@@ -185,7 +195,7 @@ class FileSink:
         ``SMALL_RUN`` (a piece's last message; with a lower ``owners.SHORT_RUN``, the
         rows of a ``Shard(1)``/TP layout between other ranks' runs) go through the page
         cache in one native call per file -- a direct write each would cost a device round
-        trip per few blocks."""
+        trip per few blocks. ``queue``: as :meth:`write_batch`."""
         if not len(rows):
             return
         if self.mapped:
@@ -205,7 +215,7 @@ class FileSink:
         for i in (some & ~small).nonzero().flatten().tolist():
             a, b, start = int(lo[i]), int(hi[i]), int(at[i])
             self._write_run(self.files[int(fid[i])], int(offset[i]) + a,
-                            data[start + a : start + b])
+                            data[start + a : start + b], queue)
 
     def _write_mapped(self, data: torch.Tensor, rows: torch.Tensor) -> None:
         """:meth:`write_middles` where the files are mapped (:attr:`mapped`): every row
@@ -236,12 +246,14 @@ class FileSink:
         self._write_segments(fid, torch.stack((at + data.data_ptr(), offset, n), 1),
                              mapped=True)
 
-    def _write_run(self, file: _direct_io.DirectFile, offset: int, data: torch.Tensor) -> None:
-        """One long run's bytes at ``offset`` of ``file`` (direct where it can), the file
-        opened for it and counted as written (:meth:`finish` makes it durable)."""
+    def _write_run(self, file: _direct_io.DirectFile, offset: int, data: torch.Tensor,
+                   queue: _direct_io.WriteQueue | None = None) -> None:
+        """One long run's bytes at ``offset`` of ``file`` (direct where it can; queued to
+        ``queue`` if given), the file opened for it and counted as written (:meth:`finish`
+        makes it durable, once the queue is waited for)."""
         self._written.add(file)
         with self._opened(file):
-            file.write(offset, data)
+            file.write(offset, data, queue)
 
     def _write_segments(self, fid: torch.Tensor, table: torch.Tensor,
                         mapped: bool = False) -> None:

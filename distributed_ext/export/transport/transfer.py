@@ -42,7 +42,10 @@ def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
         return
     write = sink.write_middles if middles else sink.write_batch
     if len(messages) > 1 and stager.link.type == "cpu" and stager.pinned is None:
-        _write_staged_ahead(stager, sink, write, messages, stop)
+        if getattr(sink, "takes_queue", False):
+            _write_queued(stager, sink, write, messages, stop)
+        else:
+            _write_staged_ahead(stager, sink, write, messages, stop)
         return
     for message in messages:
         if stop is not None and stop.seen():
@@ -93,6 +96,37 @@ def _write_staged_ahead(stager: _Stager, sink: Any, write: Callable[..., None],
         raise stager.failure
     if failed:
         raise failed[0]
+
+
+def _write_queued(stager: _Stager, sink: Any, write: Callable[..., None],
+                  messages: list[list[Segment]], stop: StopSignal | None) -> None:
+    """:func:`_write_staged_ahead` for a sink of files: the direct writes of each message
+    queued to a native writer thread (:class:`~distributed_ext._direct_io.WriteQueue`)
+    while the next is staged here, so that the disk never waits for the GIL between two
+    writes (the rest -- a run's partial blocks, short runs -- is written here, through the
+    page cache). Message ``k`` is staged into host slot ``k % 3`` once the writes of message
+    ``k - 3`` (which read that slot) are done: at most three messages' bytes are held (a
+    computed message's own, or a slot), as there. A failed write is raised here, after
+    every queued write has ended."""
+    queue = _direct_io.WriteQueue()
+    # (the last ticket of each message whose writes may still run, and its bytes)
+    pending: collections.deque = collections.deque()
+    try:
+        for k, message in enumerate(messages):
+            if stop is not None and stop.seen():
+                break
+            while len(pending) > 2:
+                queue.wait(pending.popleft()[0])  # its slot is free again
+            data, keep = stager.stage(message, k % 3, _placement(sink, message))
+            if stager.failure is not None:
+                break
+            write(data, _rows(message), queue=queue)
+            pending.append((queue.last, data, keep))
+        queue.wait()
+    finally:
+        queue.close()  # every queued write has ended before its bytes may go
+    if stager.failure is not None:
+        raise stager.failure
 
 
 def _start_own_writes(writes: Callable[[], None], ctx: _agree.GroupContext,

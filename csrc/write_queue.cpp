@@ -1,0 +1,158 @@
+// A native writer thread for the export's direct writes (see write_queue.h).
+#include "write_queue.h"
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <system_error>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+namespace distributed_ext {
+
+namespace {
+
+constexpr int64_t kAlign = 4096;  // as distributed_ext/_direct_io.py's ALIGN
+
+// pwrite of all `n` bytes, retrying short writes and EINTR: 0 or the errno.
+int pwrite_all(int fd, const char* src, int64_t n, int64_t offset) {
+  int64_t done = 0;
+  while (done < n) {
+    const ssize_t w = ::pwrite(fd, src + done, static_cast<size_t>(n - done),
+                               static_cast<off_t>(offset + done));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (w == 0) return EIO;
+    done += w;
+  }
+  return 0;
+}
+
+}  // namespace
+
+WriteQueue::WriteQueue(int64_t bounce_bytes) : bounce_bytes_(bounce_bytes) {
+  TORCH_CHECK_VALUE(bounce_bytes >= kAlign && bounce_bytes % kAlign == 0,
+                    "WriteQueue: bounce_bytes must be a positive multiple of ", kAlign,
+                    ", got ", bounce_bytes);
+  thread_ = std::thread([this] { run(); });
+}
+
+WriteQueue::~WriteQueue() { close(); }
+
+int64_t WriteQueue::submit(int64_t direct_fd, int64_t buffered_fd, int64_t src, int64_t nbytes,
+                           int64_t offset) {
+  TORCH_CHECK_VALUE(direct_fd >= 0 && buffered_fd >= 0,
+                    "WriteQueue.submit: both descriptors must be open, got ", direct_fd, " and ",
+                    buffered_fd);
+  TORCH_CHECK_VALUE(src != 0 && nbytes > 0 && nbytes % kAlign == 0 && offset >= 0 &&
+                        offset % kAlign == 0,
+                    "WriteQueue.submit: a job writes whole aligned blocks from a real address: "
+                    "got src ", src, ", nbytes ", nbytes, ", offset ", offset);
+  const int d = ::fcntl(static_cast<int>(direct_fd), F_DUPFD_CLOEXEC, 0);
+  if (d < 0) throw std::system_error(errno, std::generic_category(), "WriteQueue.submit: dup");
+  const int b = ::fcntl(static_cast<int>(buffered_fd), F_DUPFD_CLOEXEC, 0);
+  if (b < 0) {
+    const int e = errno;
+    ::close(d);
+    throw std::system_error(e, std::generic_category(), "WriteQueue.submit: dup");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) {
+    ::close(d);
+    ::close(b);
+    TORCH_CHECK_VALUE(false, "WriteQueue.submit: the queue is closed");
+  }
+  const int64_t ticket = ++submitted_;
+  jobs_.push_back(Job{d, b, reinterpret_cast<const char*>(src), nbytes, offset, ticket});
+  changed_.notify_all();
+  return ticket;
+}
+
+int WriteQueue::write_job(const Job& job) {
+  const bool aligned = reinterpret_cast<uintptr_t>(job.src) % kAlign == 0;
+  int rc = 0;
+  if (aligned) {
+    rc = pwrite_all(job.direct_fd, job.src, job.nbytes, job.offset);
+  } else {
+    if (bounce_ == nullptr) {
+      void* p = nullptr;
+      if (::posix_memalign(&p, 2 << 20, static_cast<size_t>(bounce_bytes_)) != 0) return ENOMEM;
+#ifdef MADV_HUGEPAGE
+      ::madvise(p, static_cast<size_t>(bounce_bytes_), MADV_HUGEPAGE);  // (advice only)
+#endif
+      bounce_ = static_cast<char*>(p);
+    }
+    for (int64_t at = 0; at < job.nbytes && rc == 0; at += bounce_bytes_) {
+      const int64_t n = std::min(bounce_bytes_, job.nbytes - at);
+      std::memcpy(bounce_, job.src + at, static_cast<size_t>(n));
+      rc = pwrite_all(job.direct_fd, bounce_, n, job.offset + at);
+    }
+  }
+  if (rc == EINVAL) {  // this filesystem refuses this direct write: the page cache, then
+    std::lock_guard<std::mutex> lock(mutex_);
+    fell_back_ = true;
+  } else {
+    if (rc == 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      direct_bytes_ += job.nbytes;
+    }
+    return rc;
+  }
+  return pwrite_all(job.buffered_fd, job.src, job.nbytes, job.offset);
+}
+
+void WriteQueue::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    changed_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stopping, and nothing left
+    const Job job = jobs_.front();
+    jobs_.pop_front();
+    const bool skip = error_ != 0;  // after a failure, nothing more is written
+    lock.unlock();
+    const int rc = skip ? 0 : write_job(job);
+    ::close(job.direct_fd);
+    ::close(job.buffered_fd);
+    lock.lock();
+    if (rc != 0 && error_ == 0) {
+      error_ = rc;
+      error_ticket_ = job.ticket;
+    }
+    done_ = job.ticket;
+    changed_.notify_all();
+  }
+}
+
+std::tuple<int64_t, int64_t, bool> WriteQueue::wait(int64_t ticket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const int64_t upto = std::min(ticket, submitted_);
+  changed_.wait(lock, [this, upto] { return done_ >= upto; });
+  if (error_ != 0 && error_ticket_ <= upto) return {error_, error_ticket_, fell_back_};
+  return {0, 0, fell_back_};
+}
+
+int64_t WriteQueue::direct_bytes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return direct_bytes_;
+}
+
+void WriteQueue::close() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return;
+    closed_ = true;
+    stopping_ = true;
+    changed_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();  // (runs every queued job first)
+  std::free(bounce_);
+  bounce_ = nullptr;
+}
+
+}  // namespace distributed_ext

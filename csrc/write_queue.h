@@ -1,0 +1,71 @@
+#pragma once
+#include <cstdint>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <tuple>
+
+namespace distributed_ext {
+
+// Writes of one thread's messages, done by a native thread of their own, in order.
+//
+// Why: a direct write issued from Python must take the GIL back when it returns before the
+// next one can start; with the export's staging (Python between its compiled steps) busy
+// beside it, each write then waits for the GIL, and the disk idles. Here the writes follow
+// one another with no Python in between, while the caller stages the next message.
+//
+// Each job is (a direct descriptor, a buffered one, src, nbytes, offset): the whole aligned
+// blocks of one run, written with O_DIRECT from `src` when it is block-aligned, else copied
+// through the queue's own aligned bounce buffer piece by piece; where the filesystem refuses
+// the direct write (EINVAL), through the buffered descriptor instead. Both descriptors are
+// duplicated at submit and closed once the job is done, so the caller may close its own.
+//
+// Lifetime rule: a job's source bytes are borrowed until wait() covering its ticket returns;
+// the caller keeps them alive and unmodified until then (the destructor waits for every job).
+class WriteQueue {
+ public:
+  explicit WriteQueue(int64_t bounce_bytes);
+  ~WriteQueue();
+  WriteQueue(const WriteQueue&) = delete;
+  WriteQueue& operator=(const WriteQueue&) = delete;
+
+  // Queues a job; returns its ticket (1, 2, ...). ValueError on bad arguments (nothing
+  // queued), OSError where a descriptor cannot be duplicated.
+  int64_t submit(int64_t direct_fd, int64_t buffered_fd, int64_t src, int64_t nbytes,
+                 int64_t offset);
+
+  // Blocks (GIL released) until every job up to `ticket` is done. Returns (0, 0, fell_back)
+  // or (errno, ticket of the first job that failed, fell_back): after a failure no later job
+  // writes anything. fell_back: whether any job so far went through the buffered descriptor.
+  std::tuple<int64_t, int64_t, bool> wait(int64_t ticket);
+
+  // Bytes written so far with O_DIRECT (for the figures).
+  int64_t direct_bytes();
+
+  // Waits for every job, then stops the thread (idempotent; the destructor calls it).
+  void close();
+
+ private:
+  struct Job {
+    int direct_fd, buffered_fd;
+    const char* src;
+    int64_t nbytes, offset, ticket;
+  };
+  void run();
+  int write_job(const Job& job);
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<Job> jobs_;
+  int64_t submitted_ = 0, done_ = 0;
+  int error_ = 0;
+  int64_t error_ticket_ = 0;
+  bool fell_back_ = false, stopping_ = false, closed_ = false;
+  int64_t direct_bytes_ = 0;
+  char* bounce_ = nullptr;
+  int64_t bounce_bytes_;
+  std::thread thread_;
+};
+
+}  // namespace distributed_ext
