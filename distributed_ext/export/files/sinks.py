@@ -143,9 +143,14 @@ class FileSink:
             with self._lock:
                 self._open[file] -= 1
 
-    # Its long runs' direct writes may be queued to a native writer (write_batch and
-    # write_middles take ``queue``: :class:`~distributed_ext._direct_io.WriteQueue`).
-    takes_queue = True
+    @property
+    def takes_queue(self) -> bool:
+        """Whether its long runs are written direct, so that a writer may queue them to a
+        native thread (:meth:`write_batch` and :meth:`write_middles` take ``queue``:
+        :class:`~distributed_ext._direct_io.WriteQueue`). Not on a RAM filesystem: there
+        every write is a copy in the caller's thread, and a writing thread of its own
+        overlaps it with the staging (:func:`~transport.transfer._write_staged_ahead`)."""
+        return not self.mapped and bool(self.files) and self.files[0].direct_capable
 
     def write_batch(self, data: torch.Tensor, rows: torch.Tensor,
                     queue: _direct_io.WriteQueue | None = None) -> None:
