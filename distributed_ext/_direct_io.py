@@ -20,7 +20,8 @@ filesystems), every write goes through the page cache.
 Thread safety: writes may come from several threads at once (``os.pwrite`` takes offsets);
 each thread gets its own bounce buffer, in two halves: one is written (by a helper thread of
 that thread's) while the next piece is copied into the other, so the copy costs no time of
-the disk's.
+the disk's. A writer that stages in Python queues its direct writes to a native thread
+instead (:class:`WriteQueue`): the next write then never waits for the GIL.
 """
 
 from __future__ import annotations

@@ -36,8 +36,10 @@ def _write_own(stager: _Stager, sink: Any, messages: list[list[Segment]],
     peer waits on these writes). A failure here is raised; the caller that holds it back
     for the agreeing round raises ``stop`` for the others.
 
-    Host bytes are staged a message ahead of the write (:func:`_write_staged_ahead`): the
-    packing or computing of the next message overlaps the write of this one."""
+    Host bytes are staged a message ahead of the write: the packing or computing of the
+    next message overlaps the write of this one -- written by a native thread where the
+    files are written direct (:func:`_write_queued`), else by a thread of ours
+    (:func:`_write_staged_ahead`)."""
     if not messages:
         return
     write = sink.write_middles if middles else sink.write_batch
