@@ -171,8 +171,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wait", &distributed_ext::WriteQueue::wait, pybind11::arg("ticket"),
            pybind11::call_guard<pybind11::gil_scoped_release>(),
            "Wait for the jobs up to ticket: (errno or 0, the failed job's ticket, fell_back).")
-      .def("direct_bytes", &distributed_ext::WriteQueue::direct_bytes,
-           "Bytes written with O_DIRECT so far.")
       .def("close", &distributed_ext::WriteQueue::close,
            pybind11::call_guard<pybind11::gil_scoped_release>(),
            "Wait for every job, then stop the thread (idempotent).");

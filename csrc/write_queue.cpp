@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <system_error>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -54,13 +53,19 @@ int64_t WriteQueue::submit(int64_t direct_fd, int64_t buffered_fd, int64_t src, 
                         offset % kAlign == 0,
                     "WriteQueue.submit: a job writes whole aligned blocks from a real address: "
                     "got src ", src, ", nbytes ", nbytes, ", offset ", offset);
+  // (called with the GIL held: a failed duplication is raised as Python's OSError)
   const int d = ::fcntl(static_cast<int>(direct_fd), F_DUPFD_CLOEXEC, 0);
-  if (d < 0) throw std::system_error(errno, std::generic_category(), "WriteQueue.submit: dup");
+  if (d < 0) {
+    PyErr_SetFromErrno(PyExc_OSError);
+    throw pybind11::error_already_set();
+  }
   const int b = ::fcntl(static_cast<int>(buffered_fd), F_DUPFD_CLOEXEC, 0);
   if (b < 0) {
     const int e = errno;
     ::close(d);
-    throw std::system_error(e, std::generic_category(), "WriteQueue.submit: dup");
+    errno = e;
+    PyErr_SetFromErrno(PyExc_OSError);
+    throw pybind11::error_already_set();
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) {
@@ -94,15 +99,11 @@ int WriteQueue::write_job(const Job& job) {
       rc = pwrite_all(job.direct_fd, bounce_, n, job.offset + at);
     }
   }
-  if (rc == EINVAL) {  // this filesystem refuses this direct write: the page cache, then
+  if (rc != EINVAL) return rc;
+  {  // this filesystem refuses this direct write: the page cache, then (rewriting blocks
+     // already written direct is harmless: every byte of the job is written again)
     std::lock_guard<std::mutex> lock(mutex_);
     fell_back_ = true;
-  } else {
-    if (rc == 0) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      direct_bytes_ += job.nbytes;
-    }
-    return rc;
   }
   return pwrite_all(job.buffered_fd, job.src, job.nbytes, job.offset);
 }
@@ -135,11 +136,6 @@ std::tuple<int64_t, int64_t, bool> WriteQueue::wait(int64_t ticket) {
   changed_.wait(lock, [this, upto] { return done_ >= upto; });
   if (error_ != 0 && error_ticket_ <= upto) return {error_, error_ticket_, fell_back_};
   return {0, 0, fell_back_};
-}
-
-int64_t WriteQueue::direct_bytes() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return direct_bytes_;
 }
 
 void WriteQueue::close() {

@@ -40,9 +40,6 @@ class WriteQueue {
   // writes anything. fell_back: whether any job so far went through the buffered descriptor.
   std::tuple<int64_t, int64_t, bool> wait(int64_t ticket);
 
-  // Bytes written so far with O_DIRECT (for the figures).
-  int64_t direct_bytes();
-
   // Waits for every job, then stops the thread (idempotent; the destructor calls it).
   void close();
 
@@ -62,7 +59,6 @@ class WriteQueue {
   int error_ = 0;
   int64_t error_ticket_ = 0;
   bool fell_back_ = false, stopping_ = false, closed_ = false;
-  int64_t direct_bytes_ = 0;
   char* bounce_ = nullptr;
   int64_t bounce_bytes_;
   std::thread thread_;

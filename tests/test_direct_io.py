@@ -300,6 +300,10 @@ def test_a_queued_write_is_refused_before_it_is_queued_where_it_is_not_whole_blo
             with pytest.raises(ValueError, match="whole aligned blocks"):
                 queue.submit(file, offset, data)
         assert queue.last == 0
+        with pytest.raises(OSError) as info:  # a descriptor that is not open: not queued
+            queue._queue.submit(2**20 - 1, file.fd, src.data_ptr(), ALIGN, 0)
+        assert info.value.errno == errno.EBADF
+        queue.wait(1)  # (nothing was queued: returns at once)
     finally:
         queue.close()
         file.close()
