@@ -33,6 +33,21 @@ void check_file_table(int64_t fd, const at::Tensor& table, const char* op) {
 
 }  // namespace
 
+int pwrite_fully(int fd, const char* src, int64_t nbytes, int64_t offset) {
+  int64_t done = 0;
+  while (done < nbytes) {
+    const ssize_t w = ::pwrite(fd, src + done, static_cast<size_t>(nbytes - done),
+                               static_cast<off_t>(offset + done));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (w == 0) return EIO;
+    done += w;
+  }
+  return 0;
+}
+
 int64_t pwrite_segments(int64_t fd, const at::Tensor& table) {
   check_file_table(fd, table, "pwrite_segments");
   const int64_t n = table.size(0);
@@ -45,21 +60,9 @@ int64_t pwrite_segments(int64_t fd, const at::Tensor& table) {
   }
   pybind11::gil_scoped_release no_gil;
   for (int64_t i = 0; i < n; ++i) {
-    const char* src = reinterpret_cast<const char*>(rows[3 * i]);
-    const int64_t offset = rows[3 * i + 1];
-    const int64_t nbytes = rows[3 * i + 2];
-    int64_t done = 0;
-    while (done < nbytes) {
-      const ssize_t w = ::pwrite(static_cast<int>(fd), src + done,
-                                 static_cast<size_t>(nbytes - done),
-                                 static_cast<off_t>(offset + done));
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        return errno;
-      }
-      if (w == 0) return EIO;
-      done += w;
-    }
+    const int rc = pwrite_fully(static_cast<int>(fd), reinterpret_cast<const char*>(rows[3 * i]),
+                                rows[3 * i + 2], rows[3 * i + 1]);
+    if (rc != 0) return rc;
   }
   return 0;
 }

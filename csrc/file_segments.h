@@ -5,6 +5,10 @@
 
 namespace distributed_ext {
 
+// pwrite of all `nbytes` of `src` at `offset` of `fd`, retrying short writes and EINTR;
+// 0, or the errno of the write that failed (EIO for one that wrote nothing). No GIL needed.
+int pwrite_fully(int fd, const char* src, int64_t nbytes, int64_t offset);
+
 // Writes each row (src_ptr, file_offset, nbytes) of `table` ([n, 3] int64) to the file
 // descriptor `fd` with pwrite, retrying short writes and EINTR, with the GIL released.
 // Returns 0, or the errno of the first write that failed (nothing after it is written).

@@ -1,6 +1,8 @@
 // A native writer thread for the export's direct writes (see write_queue.h).
 #include "write_queue.h"
 
+#include "file_segments.h"
+
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -16,22 +18,6 @@ namespace distributed_ext {
 namespace {
 
 constexpr int64_t kAlign = 4096;  // as distributed_ext/_direct_io.py's ALIGN
-
-// pwrite of all `n` bytes, retrying short writes and EINTR: 0 or the errno.
-int pwrite_all(int fd, const char* src, int64_t n, int64_t offset) {
-  int64_t done = 0;
-  while (done < n) {
-    const ssize_t w = ::pwrite(fd, src + done, static_cast<size_t>(n - done),
-                               static_cast<off_t>(offset + done));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (w == 0) return EIO;
-    done += w;
-  }
-  return 0;
-}
 
 }  // namespace
 
@@ -83,7 +69,7 @@ int WriteQueue::write_job(const Job& job) {
   const bool aligned = reinterpret_cast<uintptr_t>(job.src) % kAlign == 0;
   int rc = 0;
   if (aligned) {
-    rc = pwrite_all(job.direct_fd, job.src, job.nbytes, job.offset);
+    rc = pwrite_fully(job.direct_fd, job.src, job.nbytes, job.offset);
   } else {
     if (bounce_ == nullptr) {
       void* p = nullptr;
@@ -96,7 +82,7 @@ int WriteQueue::write_job(const Job& job) {
     for (int64_t at = 0; at < job.nbytes && rc == 0; at += bounce_bytes_) {
       const int64_t n = std::min(bounce_bytes_, job.nbytes - at);
       std::memcpy(bounce_, job.src + at, static_cast<size_t>(n));
-      rc = pwrite_all(job.direct_fd, bounce_, n, job.offset + at);
+      rc = pwrite_fully(job.direct_fd, bounce_, n, job.offset + at);
     }
   }
   if (rc != EINVAL) return rc;
@@ -105,7 +91,7 @@ int WriteQueue::write_job(const Job& job) {
     std::lock_guard<std::mutex> lock(mutex_);
     fell_back_ = true;
   }
-  return pwrite_all(job.buffered_fd, job.src, job.nbytes, job.offset);
+  return pwrite_fully(job.buffered_fd, job.src, job.nbytes, job.offset);
 }
 
 void WriteQueue::run() {
