@@ -272,8 +272,10 @@ def test_a_failed_queued_write_is_raised_naming_its_file_and_nothing_after_it_is
     queue = _direct_io.WriteQueue()
     try:
         # The bad file's descriptors replaced by one open for reading only: EBADF.
+        read_only = os.open(bad, os.O_RDONLY)
         for fd in (files[1].direct_fd, files[1].fd):
-            os.dup2(os.open(bad, os.O_RDONLY), fd)
+            os.dup2(read_only, fd)
+        os.close(read_only)
         first = queue.submit(files[0], 0, src)
         queue.submit(files[1], 0, src)
         last = queue.submit(files[0], ALIGN, src)
