@@ -170,7 +170,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Queue whole aligned blocks (src, nbytes) for offset; returns the job's ticket.")
       .def("wait", &distributed_ext::WriteQueue::wait, pybind11::arg("ticket"),
            pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "Wait for the jobs up to ticket: (errno or 0, the failed job's ticket, fell_back).")
+           "Wait for the jobs up to ticket: (errno or 0, the failed job's ticket).")
       .def("close", &distributed_ext::WriteQueue::close,
            pybind11::call_guard<pybind11::gil_scoped_release>(),
            "Wait for every job, then stop the thread (idempotent).");

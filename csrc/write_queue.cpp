@@ -86,19 +86,16 @@ int WriteQueue::write_job(const Job& job) {
     }
   }
   if (rc != EINVAL) return rc;
-  {  // this filesystem refuses this direct write: the page cache, then (rewriting blocks
-     // already written direct is harmless: every byte of the job is written again)
-    std::lock_guard<std::mutex> lock(mutex_);
-    fell_back_ = true;
-  }
+  // This filesystem refuses this direct write: the page cache, then (rewriting blocks
+  // already written direct is harmless: every byte of the job is written again).
   return pwrite_fully(job.buffered_fd, job.src, job.nbytes, job.offset);
 }
 
 void WriteQueue::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    changed_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // stopping, and nothing left
+    changed_.wait(lock, [this] { return closed_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // closed, and nothing left
     const Job job = jobs_.front();
     jobs_.pop_front();
     const bool skip = error_ != 0;  // after a failure, nothing more is written
@@ -116,12 +113,12 @@ void WriteQueue::run() {
   }
 }
 
-std::tuple<int64_t, int64_t, bool> WriteQueue::wait(int64_t ticket) {
+std::tuple<int64_t, int64_t> WriteQueue::wait(int64_t ticket) {
   std::unique_lock<std::mutex> lock(mutex_);
   const int64_t upto = std::min(ticket, submitted_);
   changed_.wait(lock, [this, upto] { return done_ >= upto; });
-  if (error_ != 0 && error_ticket_ <= upto) return {error_, error_ticket_, fell_back_};
-  return {0, 0, fell_back_};
+  if (error_ != 0 && error_ticket_ <= upto) return {error_, error_ticket_};
+  return {0, 0};
 }
 
 void WriteQueue::close() {
@@ -129,7 +126,6 @@ void WriteQueue::close() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) return;
     closed_ = true;
-    stopping_ = true;
     changed_.notify_all();
   }
   if (thread_.joinable()) thread_.join();  // (runs every queued job first)

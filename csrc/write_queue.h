@@ -35,10 +35,10 @@ class WriteQueue {
   int64_t submit(int64_t direct_fd, int64_t buffered_fd, int64_t src, int64_t nbytes,
                  int64_t offset);
 
-  // Blocks (GIL released) until every job up to `ticket` is done. Returns (0, 0, fell_back)
-  // or (errno, ticket of the first job that failed, fell_back): after a failure no later job
-  // writes anything. fell_back: whether any job so far went through the buffered descriptor.
-  std::tuple<int64_t, int64_t, bool> wait(int64_t ticket);
+  // Blocks (GIL released) until every job up to `ticket` is done. Returns (0, 0) or
+  // (errno, ticket of the first job that failed): after a failure no later job writes
+  // anything.
+  std::tuple<int64_t, int64_t> wait(int64_t ticket);
 
   // Waits for every job, then stops the thread (idempotent; the destructor calls it).
   void close();
@@ -58,7 +58,7 @@ class WriteQueue {
   int64_t submitted_ = 0, done_ = 0;
   int error_ = 0;
   int64_t error_ticket_ = 0;
-  bool fell_back_ = false, stopping_ = false, closed_ = false;
+  bool closed_ = false;  // no more jobs: the thread ends once the queued ones are done
   char* bounce_ = nullptr;
   int64_t bounce_bytes_;
   std::thread thread_;

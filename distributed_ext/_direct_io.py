@@ -176,7 +176,7 @@ class WriteQueue:
         """Returns once every write up to ``ticket`` (default: all) is done; raises OSError,
         naming the file, for the first that failed (no later write then writes anything)."""
         ticket = self.last if ticket is None else ticket
-        err, bad, _fell_back = self._queue.wait(ticket)
+        err, bad = self._queue.wait(ticket)
         while self._paths and self._paths[0][0] <= ticket and self._paths[0][0] != bad:
             self._paths.popleft()
         if err:
