@@ -85,9 +85,12 @@ int WriteQueue::write_job(const Job& job) {
       rc = pwrite_fully(job.direct_fd, bounce_, n, job.offset + at);
     }
   }
-  if (rc != EINVAL) return rc;
-  // This filesystem refuses this direct write: the page cache, then (rewriting blocks
-  // already written direct is harmless: every byte of the job is written again).
+  // EINVAL: this filesystem refuses this direct write. EFAULT: the kernel would not pin the
+  // source memory for it (a mapping it cannot take for DMA -- measured: [vvar] -- though a
+  // copy can read it). Either way the page cache, then (rewriting blocks already written
+  // direct is harmless: every byte of the job is written again); memory that cannot be read
+  // at all fails there too, and that EFAULT is the job's.
+  if (rc != EINVAL && rc != EFAULT) return rc;
   return pwrite_fully(job.buffered_fd, job.src, job.nbytes, job.offset);
 }
 

@@ -18,7 +18,8 @@ namespace distributed_ext {
 // Each job is (a direct descriptor, a buffered one, src, nbytes, offset): the whole aligned
 // blocks of one run, written with O_DIRECT from `src` when it is block-aligned, else copied
 // through the queue's own aligned bounce buffer piece by piece; where the filesystem refuses
-// the direct write (EINVAL), through the buffered descriptor instead. Both descriptors are
+// the direct write (EINVAL) or the kernel will not pin the source memory for it (EFAULT),
+// through the buffered descriptor instead. Both descriptors are
 // duplicated at submit and closed once the job is done, so the caller may close its own.
 //
 // Lifetime rule: a job's source bytes are borrowed until wait() covering its ticket returns;

@@ -149,16 +149,18 @@ class WriteQueue:
     running Python.
 
     Lifetime rule: the bytes of a write are borrowed until :meth:`wait` covering its ticket
-    (or :meth:`close`) returns; the caller keeps them alive and unmodified until then. A
-    file's descriptors are duplicated per write, so the file may be closed meanwhile.
-    Used by one thread at a time.
+    (or :meth:`close`) returns; the caller leaves them unmodified until then, and the queue
+    holds a reference to each write's tensor meanwhile (so a caller that drops its own early
+    cannot free memory a write still reads). A file's descriptors are duplicated per write,
+    so the file may be closed meanwhile. Used by one thread at a time.
     """
 
     def __init__(self, bounce_bytes: int = BOUNCE_BYTES) -> None:
         from distributed_ext import _native
 
         self._queue = _native.write_queue(bounce_bytes)
-        self._paths: collections.deque[tuple[int, str]] = collections.deque()
+        # (ticket, file, bytes) of each write not yet covered by a wait
+        self._jobs: collections.deque[tuple[int, str, torch.Tensor]] = collections.deque()
         self.last = 0  # the ticket of the last write submitted (0: none yet)
 
     def submit(self, file: DirectFile, offset: int, data: torch.Tensor) -> int:
@@ -167,7 +169,7 @@ class WriteQueue:
         assert file.direct_fd is not None
         self.last = self._queue.submit(file.direct_fd, file.fd, data.data_ptr(), data.numel(),
                                        offset)
-        self._paths.append((self.last, file.path))
+        self._jobs.append((self.last, file.path, data))
         with file._lock:
             file.direct_bytes += data.numel()
         return self.last
@@ -177,16 +179,17 @@ class WriteQueue:
         naming the file, for the first that failed (no later write then writes anything)."""
         ticket = self.last if ticket is None else ticket
         err, bad = self._queue.wait(ticket)
-        while self._paths and self._paths[0][0] <= ticket and self._paths[0][0] != bad:
-            self._paths.popleft()
+        while self._jobs and self._jobs[0][0] <= ticket and self._jobs[0][0] != bad:
+            self._jobs.popleft()
         if err:
-            path = self._paths[0][1] if self._paths and self._paths[0][0] == bad else "?"
+            path = self._jobs[0][1] if self._jobs and self._jobs[0][0] == bad else "?"
             raise OSError(err, os.strerror(err), path)
 
     def close(self) -> None:
         """Waits for every write, then stops the thread (idempotent; failures are raised by
         :meth:`wait`, not here)."""
         self._queue.close()
+        self._jobs.clear()
 
 
 class DirectFile:
@@ -282,6 +285,11 @@ class DirectFile:
             else:
                 self._write_bounced(offset, data)
         except OSError as exc:
+            if exc.errno == errno.EFAULT:
+                # Memory the kernel will not pin for a direct write, though it can be read:
+                # this write through the page cache (the file stays direct).
+                _pwrite_fully(self.fd, _memoryview(data), offset)
+                return
             if exc.errno != errno.EINVAL:
                 raise
             # This filesystem wants another alignment: the page cache from now on (rewriting

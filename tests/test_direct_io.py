@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import random
 import threading
+import warnings
+import weakref
 
 import pytest
 import torch
@@ -312,3 +315,68 @@ def test_a_queued_write_is_refused_before_it_is_queued_where_it_is_not_whole_blo
     queue.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         queue._queue.submit(0, 0, src.data_ptr(), ALIGN, 0)
+
+
+def test_the_queue_holds_each_writes_bytes_until_a_wait_covers_it(tmp_path):
+    file = DirectFile(str(tmp_path / "f"), 2 * ALIGN)
+    queue = _direct_io.WriteQueue()
+    try:
+        if file.direct_fd is None:
+            pytest.skip(f"{tmp_path} takes no O_DIRECT: nothing is queued there")
+        src = aligned_empty(ALIGN).fill_(3)
+        held = weakref.ref(src)
+        ticket = queue.submit(file, ALIGN, src)
+        del src  # the caller's reference gone: the queue's keeps the bytes
+        assert held() is not None
+        queue.wait(ticket)
+        assert held() is None  # released once a wait covered it
+    finally:
+        queue.close()
+        file.close()
+    with open(tmp_path / "f", "rb") as f:
+        assert f.read() == bytes(ALIGN) + bytes([3]) * ALIGN
+
+
+def _unpinnable_page() -> torch.Tensor | None:
+    """One page of memory that can be read but that the kernel will not pin for a direct
+    write (the vDSO's data page, ``[vvar]``: VM_PFNMAP), as a uint8 tensor; None where the
+    process has none."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith("[vvar]"):
+                start = int(line.split("-")[0], 16)
+                view = memoryview((ctypes.c_char * ALIGN).from_address(start)).cast("B")
+                with warnings.catch_warnings():  # (read only, never written)
+                    warnings.simplefilter("ignore")
+                    return torch.frombuffer(view, dtype=torch.uint8)
+    return None
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_memory_the_kernel_will_not_pin_is_written_through_the_page_cache(tmp_path, queued):
+    page = _unpinnable_page()
+    if page is None:
+        pytest.skip("this process maps no [vvar] page: no unpinnable memory to write from")
+    path = str(tmp_path / "f")
+    file = DirectFile(path, 2 * ALIGN)
+    try:
+        if file.direct_fd is None:
+            pytest.skip(f"{tmp_path} takes no O_DIRECT: every write goes through the cache")
+        with pytest.raises(OSError) as info:  # what the kernel says to a direct write of it
+            os.pwrite(file.direct_fd, _direct_io._memoryview(page), 0)
+        assert info.value.errno == errno.EFAULT
+        if queued:
+            queue = _direct_io.WriteQueue()
+            try:
+                queue.submit(file, ALIGN, page)
+                queue.wait()
+            finally:
+                queue.close()
+        else:
+            file.write(ALIGN, page)
+        assert file.direct_fd_usable  # (the file stays direct for the other writes)
+    finally:
+        file.close()
+    with open(path, "rb") as f:
+        written = f.read()
+    assert written[:ALIGN] == bytes(ALIGN) and any(written[ALIGN:])  # the page, not zeros
