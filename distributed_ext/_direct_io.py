@@ -15,7 +15,10 @@ Both descriptors write disjoint whole blocks: a block is written direct only whe
 covers it whole, and every byte of the file is written once, so no block is ever both in the
 page cache and written around it. Where ``O_DIRECT`` is pointless (tmpfs, ramfs: the page
 cache is the storage) or refused (some FUSE or network
-filesystems), every write goes through the page cache.
+filesystems), every write goes through the page cache. A direct write the kernel refuses
+with EFAULT -- memory it can read but will not pin for the device (a ``[vvar]`` page does
+that; one queued write of an export once did, on this project's VM) -- is written again
+through the page cache, that write alone; memory that cannot be read fails there too.
 
 Thread safety: writes may come from several threads at once (``os.pwrite`` takes offsets);
 each thread gets its own bounce buffer, in two halves: one is written (by a helper thread of
