@@ -173,5 +173,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Wait for the jobs up to ticket: (errno or 0, the failed job's ticket).")
       .def("close", &distributed_ext::WriteQueue::close,
            pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "Wait for every job, then stop the thread (idempotent).");
+           "Wait for every job, then stop the thread (idempotent).")
+      .def("efault_retries", &distributed_ext::WriteQueue::efault_retries,
+           "(jobs refused direct with EFAULT and written through the page cache, the last's "
+           "ticket).");
 }

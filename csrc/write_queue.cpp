@@ -65,7 +65,7 @@ int64_t WriteQueue::submit(int64_t direct_fd, int64_t buffered_fd, int64_t src, 
   return ticket;
 }
 
-int WriteQueue::write_job(const Job& job) {
+int WriteQueue::write_job(const Job& job, bool* efault_retried) {
   const bool aligned = reinterpret_cast<uintptr_t>(job.src) % kAlign == 0;
   int rc = 0;
   if (aligned) {
@@ -91,6 +91,7 @@ int WriteQueue::write_job(const Job& job) {
   // direct is harmless: every byte of the job is written again); memory that cannot be read
   // at all fails there too, and that EFAULT is the job's.
   if (rc != EINVAL && rc != EFAULT) return rc;
+  *efault_retried = rc == EFAULT;
   return pwrite_fully(job.buffered_fd, job.src, job.nbytes, job.offset);
 }
 
@@ -103,10 +104,15 @@ void WriteQueue::run() {
     jobs_.pop_front();
     const bool skip = error_ != 0;  // after a failure, nothing more is written
     lock.unlock();
-    const int rc = skip ? 0 : write_job(job);
+    bool efault_retried = false;
+    const int rc = skip ? 0 : write_job(job, &efault_retried);
     ::close(job.direct_fd);
     ::close(job.buffered_fd);
     lock.lock();
+    if (efault_retried) {
+      ++efault_retries_;
+      last_efault_ticket_ = job.ticket;
+    }
     if (rc != 0 && error_ == 0) {
       error_ = rc;
       error_ticket_ = job.ticket;
@@ -122,6 +128,11 @@ std::tuple<int64_t, int64_t> WriteQueue::wait(int64_t ticket) {
   changed_.wait(lock, [this, upto] { return done_ >= upto; });
   if (error_ != 0 && error_ticket_ <= upto) return {error_, error_ticket_};
   return {0, 0};
+}
+
+std::tuple<int64_t, int64_t> WriteQueue::efault_retries() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {efault_retries_, last_efault_ticket_};
 }
 
 void WriteQueue::close() {

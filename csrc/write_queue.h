@@ -44,6 +44,10 @@ class WriteQueue {
   // Waits for every job, then stops the thread (idempotent; the destructor calls it).
   void close();
 
+  // (how many jobs the kernel refused to write direct with EFAULT, written through the page
+  // cache instead; the ticket of the last): for the caller to say so.
+  std::tuple<int64_t, int64_t> efault_retries();
+
  private:
   struct Job {
     int direct_fd, buffered_fd;
@@ -51,7 +55,7 @@ class WriteQueue {
     int64_t nbytes, offset, ticket;
   };
   void run();
-  int write_job(const Job& job);
+  int write_job(const Job& job, bool* efault_retried);
 
   std::mutex mutex_;
   std::condition_variable changed_;
@@ -59,6 +63,7 @@ class WriteQueue {
   int64_t submitted_ = 0, done_ = 0;
   int error_ = 0;
   int64_t error_ticket_ = 0;
+  int64_t efault_retries_ = 0, last_efault_ticket_ = 0;
   bool closed_ = false;  // no more jobs: the thread ends once the queued ones are done
   char* bounce_ = nullptr;
   int64_t bounce_bytes_;

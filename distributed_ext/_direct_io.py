@@ -18,7 +18,8 @@ cache is the storage) or refused (some FUSE or network
 filesystems), every write goes through the page cache. A direct write the kernel refuses
 with EFAULT -- memory it can read but will not pin for the device (a ``[vvar]`` page does
 that; one queued write of an export once did, on this project's VM) -- is written again
-through the page cache, that write alone; memory that cannot be read fails there too.
+through the page cache, that write alone, with a RuntimeWarning naming the file; memory
+that cannot be read fails there too.
 
 Thread safety: writes may come from several threads at once (``os.pwrite`` takes offsets);
 each thread gets its own bounce buffer, in two halves: one is written (by a helper thread of
@@ -37,6 +38,7 @@ import errno
 import functools
 import os
 import threading
+import warnings
 
 import torch
 
@@ -141,6 +143,15 @@ def _pwrite_fully(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+def _warn_efault(path: str) -> None:
+    """Says (RuntimeWarning) that a direct write to ``path`` was refused with EFAULT and
+    went through the page cache: the file is right, but the cause is worth knowing (seen
+    once on this project's VM, not explained)."""
+    warnings.warn(f"{path}: the kernel refused a direct (O_DIRECT) write with EFAULT (memory "
+                  "it would not pin for the device); it was written through the page cache "
+                  "instead, and the file is complete", RuntimeWarning, stacklevel=3)
+
+
 class WriteQueue:
     """Direct writes done in order by a native thread (:func:`_native.write_queue`), so that
     the next one starts as the last returns, with no Python between them.
@@ -165,6 +176,7 @@ class WriteQueue:
         # (ticket, file, bytes) of each write not yet covered by a wait
         self._jobs: collections.deque[tuple[int, str, torch.Tensor]] = collections.deque()
         self.last = 0  # the ticket of the last write submitted (0: none yet)
+        self._retried = 0  # writes refused direct with EFAULT, said so (_warn_efault)
 
     def submit(self, file: DirectFile, offset: int, data: torch.Tensor) -> int:
         """Queues the direct write of ``data`` (contiguous uint8 CPU, whole blocks) at
@@ -182,6 +194,11 @@ class WriteQueue:
         naming the file, for the first that failed (no later write then writes anything)."""
         ticket = self.last if ticket is None else ticket
         err, bad = self._queue.wait(ticket)
+        retried, last_retried = self._queue.efault_retries()
+        if retried > self._retried:
+            self._retried = retried
+            path = next((p for t, p, _d in self._jobs if t == last_retried), "?")
+            _warn_efault(path)
         while self._jobs and self._jobs[0][0] <= ticket and self._jobs[0][0] != bad:
             self._jobs.popleft()
         if err:
@@ -292,6 +309,7 @@ class DirectFile:
                 # Memory the kernel will not pin for a direct write, though it can be read:
                 # this write through the page cache (the file stays direct).
                 _pwrite_fully(self.fd, _memoryview(data), offset)
+                _warn_efault(self.path)
                 return
             if exc.errno != errno.EINVAL:
                 raise
