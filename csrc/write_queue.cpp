@@ -91,8 +91,9 @@ int WriteQueue::write_job(const Job& job, bool* efault_retried) {
   // direct is harmless: every byte of the job is written again); memory that cannot be read
   // at all fails there too, and that EFAULT is the job's.
   if (rc != EINVAL && rc != EFAULT) return rc;
-  *efault_retried = rc == EFAULT;
-  return pwrite_fully(job.buffered_fd, job.src, job.nbytes, job.offset);
+  const int again = pwrite_fully(job.buffered_fd, job.src, job.nbytes, job.offset);
+  *efault_retried = rc == EFAULT && again == 0;  // (said only where it then landed)
+  return again;
 }
 
 void WriteQueue::run() {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import random
 import threading
@@ -383,3 +384,28 @@ def test_memory_the_kernel_will_not_pin_is_written_through_the_page_cache(tmp_pa
     with open(path, "rb") as f:
         written = f.read()
     assert written[:ALIGN] == bytes(ALIGN) and any(written[ALIGN:])  # the page, not zeros
+
+
+def test_a_queued_write_from_memory_not_mapped_fails_named_and_unsaid(tmp_path):
+    path = str(tmp_path / "f")
+    file = DirectFile(path, 2 * ALIGN)
+    queue = _direct_io.WriteQueue()
+    try:
+        if file.direct_fd is None:
+            pytest.skip(f"{tmp_path} takes no O_DIRECT: nothing is queued there")
+        gone = mmap.mmap(-1, ALIGN)  # a page, unmapped again before the write
+        anchor = ctypes.c_char.from_buffer(gone)
+        address = ctypes.addressof(anchor)
+        del anchor
+        gone.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no "written through the page cache" here)
+            ticket = queue._queue.submit(file.direct_fd, file.fd, address, ALIGN, 0)
+            queue._jobs.append((ticket, path, None))
+            queue.last = ticket
+            with pytest.raises(OSError) as info:  # the page cache cannot read it either
+                queue.wait()
+        assert info.value.errno == errno.EFAULT and info.value.filename == path
+    finally:
+        queue.close()
+        file.close()
