@@ -145,11 +145,11 @@ def _pwrite_fully(fd: int, view: memoryview, offset: int) -> None:
 
 def _warn_efault(path: str) -> None:
     """Says (RuntimeWarning) that a direct write to ``path`` was refused with EFAULT and
-    went through the page cache: the file is right, but the cause is worth knowing (seen
+    went through the page cache: the bytes are right, but the cause is worth knowing (seen
     once on this project's VM, not explained)."""
     warnings.warn(f"{path}: the kernel refused a direct (O_DIRECT) write with EFAULT (memory "
                   "it would not pin for the device); it was written through the page cache "
-                  "instead, and the file is complete", RuntimeWarning, stacklevel=3)
+                  "instead, and its bytes are in place", RuntimeWarning, stacklevel=3)
 
 
 class WriteQueue:
