@@ -295,12 +295,28 @@ def test_a_failed_queued_write_is_raised_naming_its_file_and_nothing_after_it_is
         assert f.read() == bytes([7]) * ALIGN + bytes(3 * ALIGN)
 
 
-def test_a_queued_write_is_refused_before_it_is_queued_where_it_is_not_whole_blocks(tmp_path):
-    file = DirectFile(str(tmp_path / "f"), 4 * ALIGN)
+@pytest.fixture
+def direct_file(tmp_path):
+    """``direct_file(size)``: a new DirectFile ``tmp_path / "f"`` that writes direct (the test
+    skipped where the filesystem takes no O_DIRECT), closed after the test."""
+    made: list[DirectFile] = []
+
+    def make(size: int) -> DirectFile:
+        made.append(DirectFile(str(tmp_path / "f"), size))
+        if made[-1].direct_fd is None:
+            pytest.skip(f"{tmp_path} takes no O_DIRECT: nothing is written direct there")
+        return made[-1]
+
+    yield make
+    for file in made:
+        file.close()
+
+
+def test_a_queued_write_is_refused_before_it_is_queued_where_it_is_not_whole_blocks(
+        direct_file):
+    file = direct_file(4 * ALIGN)
     queue = _direct_io.WriteQueue()
     try:
-        if file.direct_fd is None:
-            pytest.skip(f"{tmp_path} takes no O_DIRECT: nothing is queued there")
         src = aligned_empty(2 * ALIGN)
         for offset, data in ((1, src[:ALIGN]), (0, src[: ALIGN + 1]), (0, src[:0])):
             with pytest.raises(ValueError, match="whole aligned blocks"):
@@ -312,18 +328,15 @@ def test_a_queued_write_is_refused_before_it_is_queued_where_it_is_not_whole_blo
         queue.wait(1)  # (nothing was queued: returns at once)
     finally:
         queue.close()
-        file.close()
     queue.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         queue._queue.submit(0, 0, src.data_ptr(), ALIGN, 0)
 
 
-def test_the_queue_holds_each_writes_bytes_until_a_wait_covers_it(tmp_path):
-    file = DirectFile(str(tmp_path / "f"), 2 * ALIGN)
+def test_the_queue_holds_each_writes_bytes_until_a_wait_covers_it(direct_file):
+    file = direct_file(2 * ALIGN)
     queue = _direct_io.WriteQueue()
     try:
-        if file.direct_fd is None:
-            pytest.skip(f"{tmp_path} takes no O_DIRECT: nothing is queued there")
         src = aligned_empty(ALIGN).fill_(3)
         held = weakref.ref(src)
         ticket = queue.submit(file, ALIGN, src)
@@ -333,8 +346,7 @@ def test_the_queue_holds_each_writes_bytes_until_a_wait_covers_it(tmp_path):
         assert held() is None  # released once a wait covered it
     finally:
         queue.close()
-        file.close()
-    with open(tmp_path / "f", "rb") as f:
+    with open(file.path, "rb") as f:
         assert f.read() == bytes(ALIGN) + bytes([3]) * ALIGN
 
 
@@ -354,45 +366,38 @@ def _unpinnable_page() -> torch.Tensor | None:
 
 
 @pytest.mark.parametrize("queued", [False, True])
-def test_memory_the_kernel_will_not_pin_is_written_through_the_page_cache(tmp_path, queued):
+def test_memory_the_kernel_will_not_pin_is_written_through_the_page_cache(direct_file, queued):
     page = _unpinnable_page()
     if page is None:
         pytest.skip("this process maps no [vvar] page: no unpinnable memory to write from")
-    path = str(tmp_path / "f")
-    file = DirectFile(path, 2 * ALIGN)
-    try:
-        if file.direct_fd is None:
-            pytest.skip(f"{tmp_path} takes no O_DIRECT: every write goes through the cache")
-        with pytest.raises(OSError) as info:  # what the kernel says to a direct write of it
-            os.pwrite(file.direct_fd, _direct_io._memoryview(page), 0)
-        assert info.value.errno == errno.EFAULT
-        with pytest.warns(RuntimeWarning, match="EFAULT") as said:  # (named, said once)
-            if queued:
-                queue = _direct_io.WriteQueue()
-                try:
-                    queue.submit(file, ALIGN, page)
-                    queue.wait()
-                    queue.wait()
-                finally:
-                    queue.close()
-            else:
-                file.write(ALIGN, page)
-        assert len(said) == 1 and path in str(said[0].message)
-        assert file.direct_fd_usable  # (the file stays direct for the other writes)
-    finally:
-        file.close()
+    file = direct_file(2 * ALIGN)
+    path = file.path
+    with pytest.raises(OSError) as info:  # what the kernel says to a direct write of it
+        os.pwrite(file.direct_fd, _direct_io._memoryview(page), 0)
+    assert info.value.errno == errno.EFAULT
+    with pytest.warns(RuntimeWarning, match="EFAULT") as said:  # (named, said once)
+        if queued:
+            queue = _direct_io.WriteQueue()
+            try:
+                queue.submit(file, ALIGN, page)
+                queue.wait()
+                queue.wait()
+            finally:
+                queue.close()
+        else:
+            file.write(ALIGN, page)
+    assert len(said) == 1 and path in str(said[0].message)
+    assert file.direct_fd_usable  # (the file stays direct for the other writes)
     with open(path, "rb") as f:
         written = f.read()
     assert written[:ALIGN] == bytes(ALIGN) and any(written[ALIGN:])  # the page, not zeros
 
 
-def test_a_queued_write_from_memory_not_mapped_fails_named_and_unsaid(tmp_path):
-    path = str(tmp_path / "f")
-    file = DirectFile(path, 2 * ALIGN)
+def test_a_queued_write_from_memory_not_mapped_fails_named_and_unsaid(direct_file):
+    file = direct_file(2 * ALIGN)
+    path = file.path
     queue = _direct_io.WriteQueue()
     try:
-        if file.direct_fd is None:
-            pytest.skip(f"{tmp_path} takes no O_DIRECT: nothing is queued there")
         gone = mmap.mmap(-1, ALIGN)  # a page, unmapped again before the write
         anchor = ctypes.c_char.from_buffer(gone)
         address = ctypes.addressof(anchor)
@@ -408,4 +413,3 @@ def test_a_queued_write_from_memory_not_mapped_fails_named_and_unsaid(tmp_path):
         assert info.value.errno == errno.EFAULT and info.value.filename == path
     finally:
         queue.close()
-        file.close()
