@@ -111,19 +111,20 @@ def _write_queued(stager: _Stager, sink: Any, write: Callable[..., None],
     computed message's own, or a slot), as there. A failed write is raised here, after
     every queued write has ended."""
     queue = _direct_io.WriteQueue()
-    # (the last ticket of each message whose writes may still run, and its bytes)
-    pending: collections.deque = collections.deque()
+    # (the last ticket of each message whose writes may still run; the queue holds their
+    # bytes until a wait covers it)
+    pending: collections.deque[int] = collections.deque()
     try:
         for k, message in enumerate(messages):
             if stop is not None and stop.seen():
                 break
             while len(pending) > 2:
-                queue.wait(pending.popleft()[0])  # its slot is free again
-            data, keep = stager.stage(message, k % 3, _placement(sink, message))
+                queue.wait(pending.popleft())  # its slot is free again
+            data, _keep = stager.stage(message, k % 3, _placement(sink, message))
             if stager.failure is not None:
                 break
             write(data, _rows(message), queue=queue)
-            pending.append((queue.last, data, keep))
+            pending.append(queue.last)
         queue.wait()
     finally:
         queue.close()  # every queued write has ended before its bytes may go
