@@ -113,6 +113,54 @@ def test_aligned_empty_places_its_address():
         assert t.numel() == 1000 and t.data_ptr() % ALIGN == shift % ALIGN
 
 
+def huge_pages_granted() -> bool:
+    """Whether this kernel grants transparent huge pages to memory advised so."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def huge_pages_of(t: torch.Tensor) -> int:
+    """kB of transparent huge pages in the mapping that holds ``t``'s first byte (0 where
+    no mapping holds it any more)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if not head.endswith(":"):  # a mapping's first line: its address range
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= t.data_ptr() < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.parametrize("shift", [0, 1, 2048])
+def test_huge_empty_is_memory_of_its_own_in_huge_pages_freed_with_its_last_view(shift):
+    # A direct write from huge pages goes to the device in few segments.
+    t = _direct_io.huge_empty(5 * 2**20, shift)
+    assert t.dtype == torch.uint8 and t.numel() == 5 * 2**20
+    assert t.data_ptr() % ALIGN == shift
+    assert huge_pages_of(t) == 0  # nothing touched: no memory taken
+    t.fill_(7)
+    assert int(t.sum()) == 7 * 5 * 2**20
+    if huge_pages_granted():  # (where the kernel grants none, 4 KiB pages: still correct)
+        assert huge_pages_of(t) >= 4096, huge_pages_of(t)
+    view = t[2**20 : 2**20 + 10]
+    address = view.data_ptr()
+    del t
+    assert torch.equal(view, torch.full((10,), 7, dtype=torch.uint8))  # still mapped
+    with open("/proc/self/maps") as f:
+        assert any(int(line.split("-")[0], 16) <= address < int(line.split()[0].split("-")[1], 16)
+                   for line in f)
+    del view
+    with open("/proc/self/maps") as f:  # unmapped with its last view
+        assert not any(int(line.split("-")[0], 16) <= address
+                       < int(line.split()[0].split("-")[1], 16) for line in f)
+
+
 def test_a_ram_filesystem_gets_no_o_direct():
     # There the page cache is the storage: O_DIRECT (accepted by recent kernels) only copies.
     import uuid

@@ -235,3 +235,53 @@ def test_a_computed_message_is_staged_where_its_direct_write_wants_it():
         assert data.data_ptr() % ALIGN == shift, (start, shift)
         want = source.to(torch.int8).reshape(-1)[start : start + n]
         assert torch.equal(data.view(torch.int8), want), (start, shift)
+
+
+def test_messages_written_direct_are_staged_in_slots_of_huge_pages():
+    # A direct write goes to the device in one segment per physically contiguous range:
+    # from 4 KiB pages a 1 MB write is hundreds (measured: the same bytes written ~1.7x
+    # slower). Written direct, a computed message is computed into a slot of huge pages, and
+    # a piece's own memory and packed small pieces are copied into one.
+    from test_direct_io import huge_pages_granted, huge_pages_of
+
+    from distributed_ext._direct_io import ALIGN, HUGE_PAGE
+    from distributed_ext.export.plan.blocks import Block
+    from distributed_ext.export.plan.types import Entry, Piece, Transform
+    from distributed_ext.export.transport.stager import _Stager
+
+    source = (torch.arange(512 * 1024, dtype=torch.float32) % 100).reshape(512, 1024)
+    own = torch.randn(1024, 1024)
+    small = (torch.arange(100, dtype=torch.float32), torch.arange(50, dtype=torch.float32))
+    t = Transform(lambda rows, first: rows.to(torch.int8), 1, 1, "test",
+                  torch.float32, (512, 1024))
+    computed = Entry("w", torch.int8, (512, 1024), transform=t, source="w")
+    cpiece = Piece(0, Block((0, 0), (512, 1024)), 512 * 1024, "w",
+                   src=Block((0, 0), (512, 1024)))
+    plain = Entry("own", torch.float32, (1024, 1024), source="own")
+    opiece = Piece(0, Block((0, 0), (1024, 1024)), 4 * 2**20, "own")
+    smalls = [(Entry(k, torch.float32, (v.numel(),), source=k),
+               Piece(0, Block((0,), (v.numel(),)), v.nbytes, k)) for k, v in zip("ab", small)]
+    state = {"w": source, "own": own, "a": small[0], "b": small[1]}
+    stager = _Stager(state, 4 * 2**20, torch.device("cpu"), None)
+    messages = [[(computed, cpiece, 4096, 300_000)], [(plain, opiece, 0, 4 * 2**20)],
+                [(e, p, 0, p.nbytes) for e, p in smalls]]
+    stager.reserve(messages)
+    stager.write_direct()
+    slots = stager.huge_slots
+    assert slots is not None and slots.data_ptr() % HUGE_PAGE == 0
+    assert slots.shape[1] % HUGE_PAGE == 0 and slots.shape[1] >= 4 * 2**20 + HUGE_PAGE
+    wants = [source.to(torch.int8).reshape(-1)[4096 : 4096 + 300_000].view(torch.uint8),
+             own.reshape(-1).view(torch.uint8), torch.cat(small).view(torch.uint8)]
+    for k, (message, want) in enumerate(zip(messages, wants)):
+        slot = slots[k % 3]
+        data, _keep = stager.stage(message, k % 3, 512 * k)
+        assert torch.equal(data, want), k
+        assert data.data_ptr() % ALIGN == 512 * k, k
+        assert slot.data_ptr() <= data.data_ptr() < slot.data_ptr() + slot.numel(), k
+    if huge_pages_granted():
+        assert huge_pages_of(slots) >= 2048, huge_pages_of(slots)
+    # Not written direct (a RAM filesystem, a link): a piece's own memory goes as it is.
+    plain_stager = _Stager(state, 4 * 2**20, torch.device("cpu"), None)
+    plain_stager.reserve(messages)
+    data, keep = plain_stager.stage(messages[1], 1, 0)
+    assert data.data_ptr() == own.data_ptr() and plain_stager.huge_slots is None

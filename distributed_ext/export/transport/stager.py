@@ -33,21 +33,27 @@ def _piece_tensor(state: dict[str, torch.Tensor], entry: Entry, piece: Piece) ->
 
 
 def _computed_bytes(source: torch.Tensor, entry: Entry, piece: Piece, s: int, n: int,
-                    shift: int | None = None) -> torch.Tensor:
+                    shift: int | None = None, into: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Bytes ``s .. s + n`` of a computed piece, computed from only the rows of its source
     block (``source``) that make them: a message's worth at a time, whatever the block (a
     quantized weight's shard is never computed whole). ``shift``: the bytes start at an
     address of ``shift`` (mod ``ALIGN``), where the rows' dtype allows
-    (:meth:`Transform.rows_of`)."""
+    (:meth:`Transform.rows_of`); computed into ``into`` (uint8, a slot) where they fit."""
     t = entry.transform
     assert t is not None and piece.src is not None
     group = math.prod(piece.block.shape[1:]) * entry.dtype.itemsize * t.out_rows
     first, last = s // group, -(-(s + n) // group)  # groups of written rows
     at = s - first * group
-    empty = None if shift is None else (
-        lambda nbytes: _direct_io.aligned_empty(nbytes, (shift - at) % _direct_io.ALIGN))
+
+    def empty(nbytes: int) -> torch.Tensor:
+        want = (shift - at) % _direct_io.ALIGN
+        if into is not None and nbytes + _direct_io.ALIGN <= into.numel():
+            return _direct_io.place(into, nbytes, want)
+        return _direct_io.aligned_empty(nbytes, want)
+
     out = t.rows_of(source[first * t.step : last * t.step], piece.src.offset[0] + first * t.step,
-                    empty)
+                    None if shift is None else empty)
     return _flat_bytes(out if out.is_contiguous() else out.contiguous())[at : at + n]
 
 
@@ -116,6 +122,7 @@ class _Stager:
         self.zeros_filled = False
         self.dev_slots: torch.Tensor | None = None
         self.host_slots: torch.Tensor | None = None
+        self.huge_slots: torch.Tensor | None = None  # (:meth:`write_direct`)
 
     def _bytes(self, e: Entry, p: Piece) -> torch.Tensor | None:
         """The piece as a contiguous tensor (of its own dtype: a byte view is only made where
@@ -150,6 +157,19 @@ class _Stager:
                 (3, self.slot_bytes + 2 * _direct_io.ALIGN), dtype=torch.uint8)
         self.zeros = torch.empty(max(_message_nbytes(m) for m in messages), dtype=torch.uint8)
 
+    def write_direct(self) -> None:
+        """The host messages staged from here on are written direct to files: a packed one,
+        and a computed one alone, are staged into three slots of transparent huge pages
+        (:func:`~distributed_ext._direct_io.huge_empty`: a direct write from them goes to the
+        device in few segments) instead of ``host_slots`` and fresh buffers. Each slot holds
+        the larger of ``slot_bytes`` and ``chunk``, and 2 MiB more (a computed message's
+        partial row groups; larger outputs still get buffers of their own). Only what is
+        touched takes memory: at most three messages' bytes, as before."""
+        if self.huge_slots is None and self.link.type == "cpu" and self.pinned is None:
+            page = _direct_io.HUGE_PAGE
+            size = -(-(max(self.slot_bytes, self.chunk) + page) // page) * page
+            self.huge_slots = _direct_io.huge_empty(3 * size).view(3, size)
+
     def _failed_bytes(self, slot: int, n: int) -> torch.Tensor:
         """``n`` zero bytes to send in place of a message after a failure."""
         if self.link.type == "cuda":
@@ -171,6 +191,8 @@ class _Stager:
             return self.dev_slots[slot, :n]
         if self.pinned is not None:
             return self.pinned.view(slot, n, shift)
+        if self.huge_slots is not None:
+            return _direct_io.place(self.huge_slots[slot], n, shift)
         if self.host_slots is None:  # only packed messages come here: at most `slot_bytes`
             self.host_slots = torch.empty((3, self.slot_bytes + 2 * _direct_io.ALIGN),
                                           dtype=torch.uint8)
@@ -190,13 +212,17 @@ class _Stager:
         # Each segment as (a tensor, the segment's first byte in it); a message that is one
         # computed segment is computed at the address its direct write wants.
         alone = want if len(message) == 1 and self.link.type == "cpu" else None
-        sources = [self._segment(e, p, s, m, alone) for e, p, s, m in message]
+        into = None if alone is None or self.huge_slots is None else self.huge_slots[slot]
+        sources = [self._segment(e, p, s, m, alone, into) for e, p, s, m in message]
         if self.failure is not None:
             return self._failed_bytes(slot, n), None
-        if len(message) == 1 and sources[0][0].device.type == self.link.type:
+        if len(message) == 1 and sources[0][0].device.type == self.link.type and (
+                self.huge_slots is None or message[0][0].transform is not None):
             d, s = sources[0]
             data = _flat_bytes(d)
-            return data[s : s + n], data  # from where it lives
+            return data[s : s + n], data  # from where it lives (or was computed)
+        # (a piece's own memory, to be written direct: copied into a slot of huge pages,
+        # which the disk takes in few segments -- the copy costs less than the segments)
         out = self._slot(slot, n, shift)
         if self.link.type == "cpu" and not any(d.is_cuda for d, _s in sources):
             # Many small host pieces: one native pass, no Python per byte.
@@ -215,19 +241,19 @@ class _Stager:
                 at += m
         return out, None
 
-    def _segment(self, e: Entry, p: Piece, s: int, n: int, shift: int | None = None
-                 ) -> tuple[torch.Tensor, int]:
+    def _segment(self, e: Entry, p: Piece, s: int, n: int, shift: int | None = None,
+                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """A segment's bytes: the piece (:meth:`_bytes`) and ``s``; for a computed piece,
         the ``n`` bytes themselves (:func:`_computed_bytes`, at an address of ``shift``
-        where one is given) and 0. After a failure, an empty tensor (the message is then
-        sent as zeros)."""
+        where one is given, into the slot ``into`` where given) and 0. After a failure, an
+        empty tensor (the message is then sent as zeros)."""
         data = self._bytes(e, p)
         if data is None:
             return torch.empty(0, dtype=torch.uint8), 0
         if e.transform is None:
             return data, s
         try:
-            return _computed_bytes(data, e, p, s, n, shift), 0
+            return _computed_bytes(data, e, p, s, n, shift, into), 0
         except BaseException as exc:  # noqa: BLE001 - agreed after the stream ends
             self.failure = exc
             return torch.empty(0, dtype=torch.uint8), 0
@@ -258,4 +284,4 @@ class _Stager:
 
     def abandon(self) -> tuple:
         """What a transport may still read after a peer failed (kept, never freed)."""
-        return (self.pinned, self.dev_slots, self.host_slots)
+        return (self.pinned, self.dev_slots, self.host_slots, self.huge_slots)

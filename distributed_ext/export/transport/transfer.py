@@ -110,6 +110,7 @@ def _write_queued(stager: _Stager, sink: Any, write: Callable[..., None],
     ``k - 3`` (which read that slot) are done: at most three messages' bytes are held (a
     computed message's own, or a slot), as there. A failed write is raised here, after
     every queued write has ended."""
+    stager.write_direct()  # (its slots in huge pages: few segments a write)
     queue = _direct_io.WriteQueue()
     # (the last ticket of each message whose writes may still run; the queue holds their
     # bytes until a wait covers it)
