@@ -18,6 +18,7 @@ namespace distributed_ext {
 namespace {
 
 constexpr int64_t kAlign = 4096;  // as distributed_ext/_direct_io.py's ALIGN
+constexpr size_t kHugePage = 2 << 20;
 
 }  // namespace
 
@@ -72,12 +73,19 @@ int WriteQueue::write_job(const Job& job, bool* efault_retried) {
     rc = pwrite_fully(job.direct_fd, job.src, job.nbytes, job.offset);
   } else {
     if (bounce_ == nullptr) {
-      void* p = nullptr;
-      if (::posix_memalign(&p, 2 << 20, static_cast<size_t>(bounce_bytes_)) != 0) return ENOMEM;
+      // A mapping of its own, advised before anything touches it (memory from malloc may
+      // have been touched already, and then gets no huge pages).
+      const size_t bytes = static_cast<size_t>(bounce_bytes_) + kHugePage;
+      void* p =
+          ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return ENOMEM;
 #ifdef MADV_HUGEPAGE
-      ::madvise(p, static_cast<size_t>(bounce_bytes_), MADV_HUGEPAGE);  // (advice only)
+      ::madvise(p, bytes, MADV_HUGEPAGE);  // (advice only)
 #endif
-      bounce_ = static_cast<char*>(p);
+      bounce_map_ = p;
+      bounce_map_bytes_ = bytes;
+      const uintptr_t start = reinterpret_cast<uintptr_t>(p);
+      bounce_ = reinterpret_cast<char*>((start + kHugePage - 1) / kHugePage * kHugePage);
     }
     for (int64_t at = 0; at < job.nbytes && rc == 0; at += bounce_bytes_) {
       const int64_t n = std::min(bounce_bytes_, job.nbytes - at);
@@ -144,7 +152,8 @@ void WriteQueue::close() {
     changed_.notify_all();
   }
   if (thread_.joinable()) thread_.join();  // (runs every queued job first)
-  std::free(bounce_);
+  if (bounce_map_ != nullptr) ::munmap(bounce_map_, bounce_map_bytes_);
+  bounce_map_ = nullptr;
   bounce_ = nullptr;
 }
 

@@ -143,11 +143,13 @@ def test_huge_empty_is_memory_of_its_own_in_huge_pages_freed_with_its_last_view(
     t = _direct_io.huge_empty(5 * 2**20, shift)
     assert t.dtype == torch.uint8 and t.numel() == 5 * 2**20
     assert t.data_ptr() % ALIGN == shift
-    assert huge_pages_of(t) == 0  # nothing touched: no memory taken
+    # (its mapping may have merged with a neighbour that has huge pages already: counted as
+    # a difference)
+    before = huge_pages_of(t)
     t.fill_(7)
     assert int(t.sum()) == 7 * 5 * 2**20
     if huge_pages_granted():  # (where the kernel grants none, 4 KiB pages: still correct)
-        assert huge_pages_of(t) >= 4096, huge_pages_of(t)
+        assert huge_pages_of(t) - before >= 4096, (before, huge_pages_of(t))
     view = t[2**20 : 2**20 + 10]
     address = view.data_ptr()
     del t

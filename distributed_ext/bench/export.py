@@ -125,10 +125,12 @@ def _write_direct(path: str, nbytes: int) -> None:
 
 
 def _fill_range(file: Any, start: int, end: int) -> None:
-    """Bytes ``[start, end)`` of a ``DirectFile`` written in 16 MiB pieces, then fsynced."""
+    """Bytes ``[start, end)`` of a ``DirectFile`` written in 16 MiB pieces, then fsynced:
+    from huge pages, as ours writes (from 4 KiB pages the disk took the same bytes ~1.7x
+    slower on this project's VM: the device gets one segment per contiguous range)."""
     from distributed_ext import _direct_io
 
-    block = _direct_io.aligned_empty(16 * 2**20).fill_(1)
+    block = _direct_io.huge_empty(16 * 2**20).fill_(1)
     for at in range(start, end, block.numel()):
         file.write(at, block[: min(block.numel(), end - at)])
     file.sync()

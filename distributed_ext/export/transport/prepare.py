@@ -206,7 +206,8 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
             if on_device:
                 prepared.free[r] = list(torch.empty((2, chunk), dtype=torch.uint8, device=link))
             else:
-                prepared.free[r] = [torch.empty(chunk + 2 * _direct_io.ALIGN, dtype=torch.uint8)
+                # (huge pages: what dst writes direct from them goes in few segments)
+                prepared.free[r] = [_direct_io.huge_empty(chunk + 2 * _direct_io.ALIGN)
                                     for _ in range(2)]
         return prepared
     except BaseException:

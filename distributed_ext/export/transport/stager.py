@@ -164,7 +164,11 @@ class _Stager:
         device in few segments) instead of ``host_slots`` and fresh buffers. Each slot holds
         the larger of ``slot_bytes`` and ``chunk``, and 2 MiB more (a computed message's
         partial row groups; larger outputs still get buffers of their own). Only what is
-        touched takes memory: at most three messages' bytes, as before."""
+        touched takes memory: at most three messages' bytes, as before. A message of a
+        piece's own memory is still written from there: copied into slots it would add
+        three chunks to a rank's peak memory, and copying a model's shards through huge
+        pages made a 1 GiB fp32 export no quicker (1.69 s against 1.73 s, medians of five
+        alternating calls, ext4)."""
         if self.huge_slots is None and self.link.type == "cpu" and self.pinned is None:
             page = _direct_io.HUGE_PAGE
             size = -(-(max(self.slot_bytes, self.chunk) + page) // page) * page
@@ -216,13 +220,10 @@ class _Stager:
         sources = [self._segment(e, p, s, m, alone, into) for e, p, s, m in message]
         if self.failure is not None:
             return self._failed_bytes(slot, n), None
-        if len(message) == 1 and sources[0][0].device.type == self.link.type and (
-                self.huge_slots is None or message[0][0].transform is not None):
+        if len(message) == 1 and sources[0][0].device.type == self.link.type:
             d, s = sources[0]
             data = _flat_bytes(d)
             return data[s : s + n], data  # from where it lives (or was computed)
-        # (a piece's own memory, to be written direct: copied into a slot of huge pages,
-        # which the disk takes in few segments -- the copy costs less than the segments)
         out = self._slot(slot, n, shift)
         if self.link.type == "cpu" and not any(d.is_cuda for d, _s in sources):
             # Many small host pieces: one native pass, no Python per byte.
