@@ -142,7 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("heartbeat_failed", &distributed_ext::heartbeat_failed,
         "Whether the heartbeat gave up after repeated failed beats.");
   m.def("map_through_table", &distributed_ext::map_through_table, pybind11::arg("src"),
-        pybind11::arg("table"),
+        pybind11::arg("table"), pybind11::arg("into") = pybind11::none(),
         "uint8 table[bits of each 2-byte element of src] (an elementwise function tabulated).");
   m.def("nvfp4_rows", &distributed_ext::nvfp4_rows, pybind11::arg("src"),
         pybind11::arg("scale_2"), pybind11::arg("block"),

@@ -22,17 +22,27 @@
 
 namespace distributed_ext {
 
-at::Tensor map_through_table(const at::Tensor& src, const at::Tensor& table) {
+at::Tensor map_through_table(const at::Tensor& src, const at::Tensor& table,
+                             const c10::optional<at::Tensor>& into) {
   TORCH_CHECK_VALUE(src.device().is_cpu() && src.is_contiguous() && src.element_size() == 2,
               "map_through_table: src must be a contiguous CPU tensor of a 2-byte dtype, got ",
               src.dtype(), " on ", src.device());
   TORCH_CHECK_VALUE(table.device().is_cpu() && table.is_contiguous() &&
                   table.scalar_type() == at::kByte && table.numel() == 65536,
               "map_through_table: table must be a contiguous CPU uint8 tensor of 65536 values");
-  at::Tensor out = at::empty(src.sizes(), src.options().dtype(at::kByte));
+  at::Tensor out;
+  if (into.has_value()) {
+    out = *into;
+    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
+                          out.element_size() == 1 && out.numel() == src.numel(),
+                      "map_through_table: into must be a contiguous 1-byte CPU tensor of ",
+                      src.numel(), " elements (src's), got ", out.dtype(), " of ", out.numel());
+  } else {
+    out = at::empty(src.sizes(), src.options().dtype(at::kByte));
+  }
   const uint16_t* in = static_cast<const uint16_t*>(src.data_ptr());
   const uint8_t* lut = table.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
   const int64_t n = src.numel();
   {
     pybind11::gil_scoped_release no_gil;

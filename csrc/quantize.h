@@ -7,8 +7,10 @@ namespace distributed_ext {
 
 // out[i] = table[bits of src[i]]: an elementwise function of a 2-byte value, tabulated over
 // all 65536 of them (table: uint8 [65536]). src: a contiguous CPU tensor of a 2-byte dtype;
-// out: uint8 of src's shape. GIL released.
-at::Tensor map_through_table(const at::Tensor& src, const at::Tensor& table);
+// out: ``into`` where given (a contiguous 1-byte CPU tensor of src's numel: the bytes where
+// the caller writes them from), else a new uint8 tensor of src's shape. GIL released.
+at::Tensor map_through_table(const at::Tensor& src, const at::Tensor& table,
+                             const c10::optional<at::Tensor>& into);
 
 // NVFP4 of the rows of src (contiguous CPU [rows, cols], bfloat16, float16 or float32; cols a
 // multiple of block, block even), with the global scale scale_2 (a float32 value): the packed

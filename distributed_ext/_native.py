@@ -180,11 +180,13 @@ def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
     _C.copy_bytes(dst_ptr, src_ptr, nbytes)
 
 
-def map_through_table(src: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def map_through_table(src: torch.Tensor, table: torch.Tensor,
+                      into: torch.Tensor | None = None) -> torch.Tensor:
     """``table[bits of x]`` for each element ``x`` of ``src`` (a contiguous CPU tensor of a
     2-byte dtype): an elementwise function tabulated over all 65536 values (``table``: uint8,
-    65536 of them). Returns uint8 of ``src``'s shape; GIL released, threads used."""
-    return _C.map_through_table(src, table)
+    65536 of them). Returns uint8 of ``src``'s shape, or ``into`` (a contiguous 1-byte CPU
+    tensor of ``src``'s numel) filled; GIL released, threads used."""
+    return _C.map_through_table(src, table, into)
 
 
 def nvfp4_rows(src: torch.Tensor, scale_2: float, block: int

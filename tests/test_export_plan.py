@@ -218,6 +218,31 @@ def test_a_transform_computes_its_rows_at_the_address_a_direct_write_wants(shift
     assert torch.equal(got, torch.full((3, 8), 2.0))
 
 
+def test_a_transform_whose_fn_computes_into_given_bytes_computes_every_row_at_once():
+    # (the FP8 table holds no temporaries: no output of its own per 1 MiB of rows, no copy)
+    from distributed_ext._direct_io import aligned_empty
+    from distributed_ext.export.plan.types import Transform
+
+    class Halve:
+        calls: list[tuple[int, int]] = []
+
+        def __call__(self, rows, first):
+            raise AssertionError("computed in pieces, not into the bytes given")
+
+        def rows_into(self, rows, first, empty):
+            self.calls.append((first, rows.shape[0]))
+            out = empty(rows.numel()).view(torch.int8).view(rows.shape)
+            out.copy_((rows // 2).to(torch.int8))
+            return out
+
+    rows = (torch.arange(700 * 1024, dtype=torch.float32) % 90).reshape(700, 1024)
+    fn = Halve()
+    t = Transform(fn, 1, 1, "test", torch.float32, tuple(rows.shape))
+    out = t.rows_of(rows, 5, lambda nbytes: aligned_empty(nbytes, 100))
+    assert fn.calls == [(5, 700)] and out.data_ptr() % 4096 == 100
+    assert torch.equal(out, (rows // 2).to(torch.int8))
+
+
 def test_a_computed_message_is_staged_where_its_direct_write_wants_it():
     from distributed_ext._direct_io import ALIGN
     from distributed_ext.export.plan.blocks import Block

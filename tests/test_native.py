@@ -206,6 +206,16 @@ def test_table_lookup_maps_every_element_and_refuses_bad_arguments():
         _native.map_through_table(torch.zeros(4), table)
     with pytest.raises(ValueError, match="65536"):
         _native.map_through_table(src, table[:-1])
+    # Into the caller's bytes (any 1-byte dtype, src's numel), and only those.
+    raw = torch.zeros(src.numel() + 2, dtype=torch.uint8)
+    got = _native.map_through_table(src.view(torch.bfloat16), table, raw[1:-1])
+    assert got.data_ptr() == raw[1:].data_ptr()
+    assert torch.equal(raw[1:-1], table[src.reshape(-1).long() & 0xFFFF])
+    assert raw[0] == 0 and raw[-1] == 0
+    with pytest.raises(ValueError, match="into must be a contiguous 1-byte CPU tensor of 600"):
+        _native.map_through_table(src, table, raw[:-1])
+    with pytest.raises(ValueError, match="into must be"):
+        _native.map_through_table(src, table, torch.zeros(600, dtype=torch.int16))
 
 
 def test_nvfp4_rows_refuses_a_block_that_does_not_divide_the_columns():

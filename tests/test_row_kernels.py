@@ -179,7 +179,12 @@ def _compare_fp8() -> list[str]:
             scale = torch.tensor(s)
             ref = to_quantized_weight(rows, scale, "fp8")
             fn = _Fp8Rows(scale, dtype, dtype)
-            for got in (fn(rows, 0)["weight"], fn(rows.t(), 0)["weight"].t()):
+            # (and into the caller's bytes: every row at once, where they are wanted)
+            raw = torch.empty(rows.numel() + 1, dtype=torch.uint8)[1:]
+            into = fn.rows_into(rows, 0, lambda n, raw=raw: raw[:n])
+            if into.data_ptr() != raw.data_ptr():
+                wrong.append(f"{dtype} {s}: not computed into the bytes given")
+            for got in (fn(rows, 0)["weight"], fn(rows.t(), 0)["weight"].t(), into):
                 if got.dtype != ref.dtype or not torch.equal(got.view(torch.uint8),
                                                              ref.view(torch.uint8)):
                     wrong.append(f"{dtype} {s}")

@@ -258,6 +258,10 @@ class _RowsOf:
         self.unit, self.suffix, self.dtype, self.token, self.kept = (unit, suffix, dtype,
                                                                      token, kept)
         self.fast = fast  # the compiled core's arithmetic (plan.row_kernels), or None
+        # (the weight's rows computed straight into the caller's bytes, where the compiled
+        # core can and no other output is kept beside them: Transform.rows_of)
+        into = getattr(fast, "rows_into", None)
+        self.rows_into = into if suffix == "weight" and not kept else None
 
     def __call__(self, rows: torch.Tensor, first: int) -> torch.Tensor:
         key = (self.token, first, rows.shape[0])

@@ -216,6 +216,14 @@ class _Fp8Rows:
         src = rows.contiguous()  # (itself where it is)
         return {"weight": map_through_table(src, table).view(torch.float8_e4m3fn)}
 
+    def rows_into(self, rows: torch.Tensor, first: int,
+                  empty: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """The weight's rows, computed into ``empty(nbytes)`` (uint8): no temporaries, so
+        every row at once (:meth:`Transform.rows_of`)."""
+        src = rows.contiguous()  # (itself where it is)
+        out = map_through_table(src, self.table(), empty(src.numel()))
+        return out.view(torch.float8_e4m3fn).view(src.shape)
+
 
 class _Nvfp4Rows:
     """NVFP4 rows by the compiled core; ``alone``: the block scales without the codes (for

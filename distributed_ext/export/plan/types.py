@@ -41,7 +41,13 @@ class Transform:
         output's bytes (uint8, on the host), where the caller wants them: at the address a
         direct write takes without a bounce copy (on a disk, a quantized weight's bytes are
         90 % of what a rank writes); where that address is not a multiple of the output's
-        element size, the output goes where torch puts it instead."""
+        element size, the output goes where torch puts it instead. A ``fn`` with a
+        ``rows_into(rows, first, empty)`` (not None) -- one that holds no temporaries, the
+        FP8 table -- computes every row at once straight into ``empty``'s bytes: no output
+        of its own, no copy (1135 outputs a rank at 1 GiB before)."""
+        into = getattr(self.fn, "rows_into", None)
+        if into is not None and empty is not None and rows.device.type == "cpu":
+            return into(rows, first, empty)
         n = rows.shape[0]
         row_bytes = rows[:1].numel() * rows.element_size()
         chunk = max(self.step, TRANSFORM_BYTES // max(row_bytes, 1) // self.step * self.step)
