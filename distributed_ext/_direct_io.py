@@ -94,7 +94,8 @@ def huge_empty(nbytes: int, shift: int = 0) -> torch.Tensor:
     range, so from torch's 4 KiB pages a write is hundreds of segments. Measured on this
     project's VM (a Firecracker guest, ext4 on virtio): two processes writing 300 MB each
     direct in 0.8 MB writes, then ``fsync``, 0.71-0.76 s from huge pages against 1.21-1.32 s
-    from fresh torch buffers (medians of six alternating; in 16 MiB writes 0.68 s against 1.18 s).
+    from fresh torch buffers (medians of alternating runs; in 16 MiB writes 0.64-0.70 s
+    against 1.18-1.47 s).
     """
     span = nbytes + 2 * ALIGN
     m = mmap.mmap(-1, -(-span // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE,

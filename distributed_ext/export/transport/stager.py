@@ -168,7 +168,8 @@ class _Stager:
         piece's own memory is still written from there: copied into slots it would add
         three chunks to a rank's peak memory, and copying a model's shards through huge
         pages made a 1 GiB fp32 export no quicker (1.69 s against 1.73 s, medians of five
-        alternating calls, ext4)."""
+        alternating calls, ext4). (Made here, not by :meth:`reserve`: only a rank's own
+        writes call it, and a failure there is agreed after them; no peer waits on them.)"""
         if self.huge_slots is None and self.link.type == "cpu" and self.pinned is None:
             page = _direct_io.HUGE_PAGE
             size = -(-(max(self.slot_bytes, self.chunk) + page) // page) * page
