@@ -9,6 +9,7 @@
 #include "device_pack.h"
 #include "file_segments.h"
 #include "heartbeat.h"
+#include "huge_pages.h"
 #include "quantize.h"
 #include "segments.h"
 #include "write_queue.h"
@@ -39,22 +40,6 @@ pybind11::dict build_info() {
   info["with_cuda"] = distributed_ext::built_with_cuda();
   info["abi"] = static_cast<bool>(_GLIBCXX_USE_CXX11_ABI);
   return info;
-}
-
-void advise_huge_pages(char* data, int64_t nbytes) {
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (nbytes < static_cast<int64_t>(2 * kHuge)) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + nbytes) & ~(kHuge - 1);
-  if (end > begin) {
-    // Advice only: on failure (THP off, not mmap-backed) the pages are ordinary ones.
-    (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-  }
-#else
-  (void)data;
-  (void)nbytes;
-#endif
 }
 
 // Faults the pages of [data, data + nbytes) in now, several threads at once, so that the
@@ -95,7 +80,7 @@ pybind11::object empty_bytearray(int64_t nbytes, bool prefault, bool huge_pages)
   PyObject* obj = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(nbytes));
   if (obj == nullptr) throw pybind11::error_already_set();
   char* data = PyByteArray_AS_STRING(obj);
-  if (huge_pages) advise_huge_pages(data, nbytes);
+  if (huge_pages) distributed_ext::advise_huge_pages(data, nbytes);
   if (prefault && nbytes > 0) {
     pybind11::gil_scoped_release no_gil;
     populate(data, nbytes);
@@ -126,6 +111,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_bytes", &distributed_ext::copy_bytes, pybind11::arg("dst_ptr"),
         pybind11::arg("src_ptr"), pybind11::arg("nbytes"),
         "Copy nbytes between raw host pointers; GIL released.");
+  m.def("huge_buffer", &distributed_ext::huge_buffer, pybind11::arg("nbytes"),
+        "A uint8 tensor of nbytes in a mapping of its own, 2 MiB-aligned, advised to "
+        "transparent huge pages before anything touches it; unmapped with its storage.");
   m.def("empty_bytearray", &empty_bytearray, pybind11::arg("nbytes"),
         pybind11::arg("prefault") = false, pybind11::arg("huge_pages") = true,
         "A bytearray of nbytes, contents uninitialized (the caller fills every byte).");

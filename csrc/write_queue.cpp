@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 namespace distributed_ext {
@@ -18,7 +17,6 @@ namespace distributed_ext {
 namespace {
 
 constexpr int64_t kAlign = 4096;  // as distributed_ext/_direct_io.py's ALIGN
-constexpr size_t kHugePage = 2 << 20;
 
 }  // namespace
 
@@ -72,25 +70,14 @@ int WriteQueue::write_job(const Job& job, bool* efault_retried) {
   if (aligned) {
     rc = pwrite_fully(job.direct_fd, job.src, job.nbytes, job.offset);
   } else {
-    if (bounce_ == nullptr) {
-      // A mapping of its own, advised before anything touches it (memory from malloc may
-      // have been touched already, and then gets no huge pages).
-      const size_t bytes = static_cast<size_t>(bounce_bytes_) + kHugePage;
-      void* p =
-          ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) return ENOMEM;
-#ifdef MADV_HUGEPAGE
-      ::madvise(p, bytes, MADV_HUGEPAGE);  // (advice only)
-#endif
-      bounce_map_ = p;
-      bounce_map_bytes_ = bytes;
-      const uintptr_t start = reinterpret_cast<uintptr_t>(p);
-      bounce_ = reinterpret_cast<char*>((start + kHugePage - 1) / kHugePage * kHugePage);
+    if (bounce_.data == nullptr) {
+      bounce_ = map_huge(bounce_bytes_);  // (touched by nothing before: huge pages granted)
+      if (bounce_.data == nullptr) return ENOMEM;
     }
     for (int64_t at = 0; at < job.nbytes && rc == 0; at += bounce_bytes_) {
       const int64_t n = std::min(bounce_bytes_, job.nbytes - at);
-      std::memcpy(bounce_, job.src + at, static_cast<size_t>(n));
-      rc = pwrite_fully(job.direct_fd, bounce_, n, job.offset + at);
+      std::memcpy(bounce_.data, job.src + at, static_cast<size_t>(n));
+      rc = pwrite_fully(job.direct_fd, bounce_.data, n, job.offset + at);
     }
   }
   // EINVAL: this filesystem refuses this direct write. EFAULT: the kernel would not pin the
@@ -152,9 +139,7 @@ void WriteQueue::close() {
     changed_.notify_all();
   }
   if (thread_.joinable()) thread_.join();  // (runs every queued job first)
-  if (bounce_map_ != nullptr) ::munmap(bounce_map_, bounce_map_bytes_);
-  bounce_map_ = nullptr;
-  bounce_ = nullptr;
+  unmap_huge(bounce_);
 }
 
 }  // namespace distributed_ext

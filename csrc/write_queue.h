@@ -6,6 +6,8 @@
 #include <thread>
 #include <tuple>
 
+#include "huge_pages.h"
+
 namespace distributed_ext {
 
 // Writes of one thread's messages, done by a native thread of their own, in order.
@@ -17,9 +19,9 @@ namespace distributed_ext {
 //
 // Each job is (a direct descriptor, a buffered one, src, nbytes, offset): the whole aligned
 // blocks of one run, written with O_DIRECT from `src` when it is block-aligned, else copied
-// through the queue's own bounce buffer piece by piece. The bounce buffer is a mapping of
-// its own in transparent huge pages: the device gets a direct write as one segment per
-// physically contiguous range. Where the filesystem refuses
+// through the queue's own bounce buffer piece by piece. The bounce buffer is a HugeMapping
+// (huge_pages.h): the device gets a direct write as one segment per physically contiguous
+// range. Where the filesystem refuses
 // the direct write (EINVAL) or the kernel will not pin the source memory for it (EFAULT),
 // through the buffered descriptor instead. Both descriptors are
 // duplicated at submit and closed once the job is done, so the caller may close its own.
@@ -67,9 +69,7 @@ class WriteQueue {
   int64_t error_ticket_ = 0;
   int64_t efault_retries_ = 0, last_efault_ticket_ = 0;
   bool closed_ = false;  // no more jobs: the thread ends once the queued ones are done
-  char* bounce_ = nullptr;  // bounce_bytes_ of huge pages, inside the mapping bounce_map_
-  void* bounce_map_ = nullptr;
-  size_t bounce_map_bytes_ = 0;
+  HugeMapping bounce_;  // bounce_bytes_ of huge pages, mapped on first use
   int64_t bounce_bytes_;
   std::thread thread_;
 };

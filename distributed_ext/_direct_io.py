@@ -36,7 +36,6 @@ import contextlib
 import ctypes
 import errno
 import functools
-import mmap
 import os
 import threading
 import warnings
@@ -86,9 +85,10 @@ HUGE_PAGE = 2 * 2**20
 
 def huge_empty(nbytes: int, shift: int = 0) -> torch.Tensor:
     """:func:`aligned_empty` in memory of its own, advised to transparent huge pages before
-    anything touches it (a private anonymous mapping, 2 MiB-aligned; unmapped with the last
-    view of it). Only what is touched takes memory, in 2 MiB pages where the kernel grants
-    them (4 KiB ones where it does not: nothing else changes).
+    anything touches it (:func:`distributed_ext._native.huge_buffer`: a private anonymous
+    mapping, 2 MiB-aligned; unmapped with the last view of it). Only what is touched takes
+    memory, in 2 MiB pages where the kernel grants them (4 KiB ones where it does not:
+    nothing else changes).
 
     Why: the device gets a direct write's source as one segment per physically contiguous
     range, so from torch's 4 KiB pages a write is hundreds of segments. Measured on this
@@ -97,14 +97,10 @@ def huge_empty(nbytes: int, shift: int = 0) -> torch.Tensor:
     from fresh torch buffers (medians of alternating runs; in 16 MiB writes 0.64-0.70 s
     against 1.18-1.47 s).
     """
+    from distributed_ext import _native
+
     span = nbytes + 2 * ALIGN
-    m = mmap.mmap(-1, -(-span // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE,
-                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # (advice only: no THP, 4 KiB pages)
-        m.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(m, dtype=torch.uint8)  # (the view keeps the mapping alive)
-    start = -raw.data_ptr() % HUGE_PAGE
-    return place(raw[start : start + span], nbytes, shift)
+    return place(_native.huge_buffer(span), nbytes, shift)
 
 
 def on_ram_filesystem(path: str) -> bool:

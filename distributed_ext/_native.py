@@ -220,6 +220,17 @@ def empty_bytearray(nbytes: int, prefault: bool = False, huge_pages: bool = True
         raise MemoryError(f"cannot allocate a bytearray of {nbytes} bytes") from None
 
 
+def huge_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` in a private mapping of its own, 2 MiB-aligned and
+    advised to transparent huge pages before anything touches it (csrc/huge_pages.h); it
+    is unmapped with the tensor's storage. Only what is touched takes memory, in 2 MiB
+    pages where the kernel grants them (4 KiB ones where it does not).
+
+    Raises ValueError for a negative ``nbytes``, RuntimeError where the mapping fails.
+    """
+    return _C.huge_buffer(int(nbytes))
+
+
 def write_queue(bounce_bytes: int) -> Any:
     """A native writer thread for direct writes (``_C.WriteQueue``: submit, wait, close):
     each job is written in order with no GIL between jobs; a job whose source is not

@@ -261,3 +261,16 @@ def test_nvfp4_scales_alone_equal_those_of_the_rows():
                 alone = _native.nvfp4_scales(rows, scale_2, block)
                 assert alone.shape == scales.shape and torch.equal(alone, scales), \
                     (dtype, block, scale_2)
+
+
+def test_huge_buffer_is_a_mapping_of_its_own_aligned_to_a_huge_page():
+    # What a direct write reads from it goes to the device in few segments (huge pages are
+    # asserted where the kernel grants them: test_direct_io).
+    t = _native.huge_buffer(3 * 2**20 + 5)
+    assert t.dtype == torch.uint8 and t.device.type == "cpu" and t.numel() == 3 * 2**20 + 5
+    assert t.data_ptr() % (2 * 2**20) == 0
+    t.fill_(9)
+    assert int(t[-1]) == 9 and int(t.sum()) == 9 * t.numel()
+    assert _native.huge_buffer(0).numel() == 0
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        _native.huge_buffer(-1)

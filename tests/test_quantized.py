@@ -91,7 +91,7 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
 
     import distributed_ext as dx
     from distributed_ext.export import rounds
-    from distributed_ext.export.plan import quantized
+    from distributed_ext.export.plan import quantized, row_kernels
 
     probed: list[str] = []  # (the weights this rank asks ModelOpt to probe)
     probe = quantized._probe
@@ -112,7 +112,7 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
     requantize = unified.requantize_resmooth_fused_llm_layers
     unified.requantize_resmooth_fused_llm_layers = lambda *args: \
         gathered.__setitem__(0, gathered[0] + 1) or requantize(*args)
-    out: dict = {"probed": {}, "resolved": {}, "gathered": {}, "configs": {}}
+    out: dict = {"probed": {}, "resolved": {}, "gathered": {}, "configs": {}, "tables": {}}
     for family, fmt in cases:
         model = _quantized(family, fmt)
         dx.fsdp2_wrap(model)
@@ -123,6 +123,7 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
         out["configs"][family, fmt] = configs[0]
         out["resolved"][family, fmt] = resolved[0]
         out["gathered"][family, fmt] = gathered[0]
+        out["tables"][family, fmt] = row_kernels.TABLES.count
         if ram is not None:
             dx.export_hf_checkpoint(model, os.path.join(ram, family, fmt), writers="all")
     if ram is not None and dist.get_rank() == 0:
@@ -210,6 +211,8 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, r
         # Every case's shared inputs are fused from the rows (the Llama's AWQ and SmoothQuant
         # scales by Resmooth), never by ModelOpt's own function, which unshards each group.
         assert [r["gathered"][family, fmt] for r in results] == [0] * world, fmt
+        if fmt == "FP8_DEFAULT_CFG":  # every FP8 weight's table kept (each made once a call)
+            assert [r["tables"][family, fmt] for r in results] == [len(quantized)] * world
     alone = hf_models.read_checkpoint(os.path.join(modelopt_refs, "alone"))
     ref = hf_models.read_checkpoint(os.path.join(modelopt_refs, "ref", *CASES[0]))
     assert sorted(alone) == sorted(ref) and all(_same_bytes(ref[k], alone[k]) for k in ref)

@@ -228,6 +228,34 @@ def test_fp8_tables_of_many_weights_are_held_at_most_a_bound(compared):
     assert held <= row_kernels.TABLES.count, held  # (each weight's own: 300)
 
 
+def test_fp8_tables_are_kept_for_every_weight_where_they_fit_else_for_the_last_64():
+    # A dense model's FP8 weights each made once a call; a MoE's thousands not all held.
+    from distributed_ext.export.plan import row_kernels
+
+    def fp8(n: int) -> list:
+        return [row_kernels._Fp8Rows(torch.ones(()), torch.bfloat16, torch.bfloat16)
+                for _ in range(n)]
+
+    fits = row_kernels.TABLES_BYTES // row_kernels.TABLE_BYTES
+    before = row_kernels.TABLES.count
+    try:
+        row_kernels.keep_tables_for(fp8(300) + [None, lambda rows, first: {}])
+        assert row_kernels.TABLES.count == 300
+        row_kernels.keep_tables_for(fp8(fits))
+        assert row_kernels.TABLES.count == fits
+        row_kernels.keep_tables_for(fp8(fits + 1))
+        assert row_kernels.TABLES.count == 64
+        made = fp8(70)
+        for fn in made:
+            fn.table()
+        assert len(row_kernels.TABLES.tables) == 64
+        assert list(row_kernels.TABLES.tables) == [fn.serial for fn in made[6:]]  # the last
+        row_kernels.TABLES.resize(10)
+        assert list(row_kernels.TABLES.tables) == [fn.serial for fn in made[60:]]
+    finally:
+        row_kernels.TABLES.resize(before)
+
+
 def _compare_int4() -> list[str]:
     # INT4 AWQ: every value of bfloat16 and float16 (and random float32 over sixteen
     # decades) against ModelOpt's pack_int4_in_uint8, under per-group scales from tiny to

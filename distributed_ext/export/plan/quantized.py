@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from distributed_ext.export.plan import keys as _keys
 from distributed_ext.export.plan.remembered import LastAnswer
-from distributed_ext.export.plan.row_kernels import RowsFn, fast_rows
+from distributed_ext.export.plan.row_kernels import RowsFn, fast_rows, keep_tables_for
 from distributed_ext.export.plan.shared_inputs import (
     copy_quantizer,
     fuse_shared_inputs,
@@ -508,12 +508,14 @@ def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = Non
     out = Quantized()
     digest: list[tuple] = []
     extra: dict[str, torch.Tensor] = {}
+    fasts: list[RowsFn | None] = []
     for w, unit in _units(model, sources, held, converts):
         weight_dtype = held[w.parts[0].source][0]
         probe = None if probes is None else probes.get(w.key)
         if probe is None:
             probe = _probe(w, unit, weight_dtype, dtype)
-        _plan_unit(w, unit, weight_dtype, dtype, probe, out, extra, digest)
+        fasts.append(_plan_unit(w, unit, weight_dtype, dtype, probe, out, extra, digest))
+    keep_tables_for(fasts)
     if quant_config is None:
         quant_config = get_quant_config(model)
     kv_format = quant_config["quantization"].get("kv_cache_quant_algo")
@@ -604,9 +606,9 @@ def _probe(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torc
 
 def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype,
                probe: Probe, out: Quantized, extra: dict[str, torch.Tensor],
-               digest: list[tuple]) -> None:
+               digest: list[tuple]) -> RowsFn | None:
     """One quantized weight, from its probe: its global outputs into ``extra``, its per-row
-    ones into ``out.replaces``."""
+    ones into ``out.replaces``; the compiled core's rows of it (or None)."""
     outputs, per_row = probe
     shape = w.shape
     step = ROW_FORMATS[unit.fmt]
@@ -636,6 +638,7 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
         out.replaces.setdefault(w.key, []).append((prefix + suffix, small.dtype, written_shape,
                                                    transform))
         digest.append((prefix + suffix, str(small.dtype), written_shape))
+    return fast
 
 
 def apply(written: list[_keys.Written], quantized: Quantized) -> list[_keys.Written]:

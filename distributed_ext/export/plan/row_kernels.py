@@ -21,7 +21,8 @@ rows. Here:
 Each is compared, once per process and dtype, with ModelOpt's export of the same rows
 (every finite value of the dtype and the infinities, shuffled) before it is used; where it
 differs (another ModelOpt or torch), ModelOpt's arithmetic is used, with a warning. The
-tables of the last 64 weights computed are kept (4 MiB); nothing else.
+FP8 tables of every weight are kept where they fit in 32 MiB, else those of the last 64
+computed (4 MiB: :func:`keep_tables_for`); nothing else.
 """
 
 from __future__ import annotations
@@ -176,6 +177,12 @@ class _Tables:
                 self.tables.move_to_end(key)
             return table
 
+    def resize(self, count: int) -> None:
+        with _LOCK:
+            self.count = count
+            while len(self.tables) > self.count:
+                self.tables.popitem(last=False)
+
     def put(self, key: int, table: torch.Tensor) -> None:
         with _LOCK:
             self.tables[key] = table
@@ -183,12 +190,24 @@ class _Tables:
                 self.tables.popitem(last=False)
 
 
-# 4 MiB. With 64 a rank makes 830-840 tables a call for a 1 GiB Llama (294 weights: its own
-# rows and its shared blocks walk the weights at once; 0.13-0.23 s of its staging thread),
-# but 512 (every weight of it, made once) measured a MoE of 1940 weights at 90-110 MiB of
-# peak RSS growth a rank against 36 MiB with 64: to bound by what the model needs.
 TABLES = _Tables(64)
+# Where a model's FP8 weights' tables fit in this, each is kept (:func:`keep_tables_for`).
+TABLES_BYTES = 32 * 2**20
+TABLE_BYTES = 65536
 _SERIALS = itertools.count()
+
+
+def keep_tables_for(fns: list[RowsFn | None]) -> None:
+    """Bound :data:`TABLES` by what the export of ``fns`` (its weights' compiled rows)
+    needs: each FP8 weight's table where they fit in :data:`TABLES_BYTES`, else the last 64.
+
+    Why: a rank's own rows and its shared blocks walk the weights at once, so with 64 kept
+    a 1 GiB Llama (294 weights) made 830-840 tables a call, 0.13-0.23 s of its staging
+    thread; every weight's, each was made once. A MoE (1940 weights of 5 layers of 128
+    experts) walks them expert by expert: 512 kept measured 90-110 MiB of peak RSS growth
+    a rank against 36 MiB with 64, for nothing gained."""
+    needed = sum(isinstance(fn, _Fp8Rows) for fn in fns)
+    TABLES.resize(needed if needed * TABLE_BYTES <= TABLES_BYTES else 64)
 
 
 class _Fp8Rows:

@@ -46,14 +46,17 @@ def _computed_bytes(source: torch.Tensor, entry: Entry, piece: Piece, s: int, n:
     first, last = s // group, -(-(s + n) // group)  # groups of written rows
     at = s - first * group
 
-    def empty(nbytes: int) -> torch.Tensor:
+    empty = None
+    if shift is not None:  # (the rows' first output byte at `shift`, mod ALIGN)
         want = (shift - at) % _direct_io.ALIGN
-        if into is not None and nbytes + _direct_io.ALIGN <= into.numel():
-            return _direct_io.place(into, nbytes, want)
-        return _direct_io.aligned_empty(nbytes, want)
+
+        def empty(nbytes: int) -> torch.Tensor:
+            if into is not None and nbytes + _direct_io.ALIGN <= into.numel():
+                return _direct_io.place(into, nbytes, want)
+            return _direct_io.aligned_empty(nbytes, want)
 
     out = t.rows_of(source[first * t.step : last * t.step], piece.src.offset[0] + first * t.step,
-                    None if shift is None else empty)
+                    empty)
     return _flat_bytes(out if out.is_contiguous() else out.contiguous())[at : at + n]
 
 
