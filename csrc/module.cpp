@@ -132,6 +132,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("map_through_table", &distributed_ext::map_through_table, pybind11::arg("src"),
         pybind11::arg("table"), pybind11::arg("into") = pybind11::none(),
         "uint8 table[bits of each 2-byte element of src] (an elementwise function tabulated).");
+  m.def("fp8_divide", &distributed_ext::fp8_divide, pybind11::arg("src"),
+        pybind11::arg("scale"), pybind11::arg("bf16_quotient"), pybind11::arg("table"),
+        pybind11::arg("into") = pybind11::none(),
+        "FP8 bytes of bfloat16 src / scale (torch's arithmetic); Inf/NaN from table.");
   m.def("nvfp4_rows", &distributed_ext::nvfp4_rows, pybind11::arg("src"),
         pybind11::arg("scale_2"), pybind11::arg("block"),
         "NVFP4 of the rows of src: (packed 4-bit codes, per-block E4M3 scales) as uint8.");

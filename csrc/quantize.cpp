@@ -361,6 +361,138 @@ at::Tensor int4_rows(const at::Tensor& src, const at::Tensor& scale, int64_t blo
   return out;
 }
 
+namespace {
+
+// One bfloat16 value's FP8 byte as torch computes ``(w / scale).to(float8_e4m3fn)`` for a
+// bfloat16 tensor ``w`` and a float32 scale: the value in float32 (exact), divided (IEEE,
+// as torch's kernel for a scalar divisor), the quotient rounded to bfloat16 half to even
+// (``bf16_quotient``: the result's dtype where the scale is a 0-dim tensor; else it stays
+// float32), then c10's fp8e4m3fn_from_fp32_value restated without branches, so that the
+// loop over a block vectorizes -- except that a value that rounds past E4M3's range
+// saturates to its largest (448), as torch 2.13's cast does on this CPU, where c10's gives
+// a NaN. Wrong for an infinite or NaN ``w`` (the caller's table
+// gives those) and meant to be checked, on every bfloat16 value, against ModelOpt's own
+// table of the weight before use (plan/row_kernels.py).
+template <bool BF16_QUOTIENT>
+inline uint8_t fp8_of_quotient(uint16_t w, float scale) {
+  const uint32_t wb = static_cast<uint32_t>(w) << 16;
+  float x;
+  std::memcpy(&x, &wb, sizeof x);
+  const float q = x / scale;
+  uint32_t u;
+  std::memcpy(&u, &q, sizeof u);
+  if (BF16_QUOTIENT) u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const uint32_t sign = u & 0x80000000u;
+  const uint32_t a = u ^ sign;
+  // a normal E4M3: the exponent rebiased, rounded half to even at mantissa bit 20
+  const uint32_t normal =
+      (a + (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+  // a subnormal one: the float32 addition of 2^-6's magic number does the rounding
+  const uint32_t magic = 141u << 23;
+  float af, mf;
+  std::memcpy(&af, &a, sizeof af);
+  std::memcpy(&mf, &magic, sizeof mf);
+  const float sum = af + mf;
+  uint32_t sb;
+  std::memcpy(&sb, &sum, sizeof sb);
+  const uint32_t subnormal = sb - magic;
+  const uint32_t rounded = a < (121u << 23) ? subnormal : normal;
+  // what rounds past E4M3's range: its largest finite value (torch saturates); a NaN stays
+  // (c10's test of a >= 480 is the same as rounded > 0x7E, 480's code being 0x7F)
+  const uint32_t finite = std::min(rounded, 0x7Eu);
+  const uint32_t code = a > 0x7F800000u ? 0x7Fu : finite;
+  return static_cast<uint8_t>(code | (sign >> 24));
+}
+
+// One block of fp8_divide: the quotients' bytes, then any infinite or NaN input's byte from
+// the table (rare: a pass of its own only where the block has one).
+template <bool BF16_QUOTIENT>
+inline __attribute__((always_inline)) void fp8_divide_impl(const uint16_t* in, int64_t n,
+                                                           float scale, const uint8_t* lut,
+                                                           uint8_t* out) {
+  uint32_t special = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = fp8_of_quotient<BF16_QUOTIENT>(in[i], scale);
+    special |= static_cast<uint32_t>((in[i] & 0x7F80u) == 0x7F80u);
+  }
+  if (special) {
+    for (int64_t i = 0; i < n; ++i) {
+      if ((in[i] & 0x7F80u) == 0x7F80u) out[i] = lut[in[i]];
+    }
+  }
+}
+
+DEXT_CLONES
+void fp8_divide_block(const uint16_t* in, int64_t n, float scale, bool bf16_quotient,
+                      const uint8_t* lut, uint8_t* out) {
+  if (bf16_quotient) {
+    fp8_divide_impl<true>(in, n, scale, lut, out);
+  } else {
+    fp8_divide_impl<false>(in, n, scale, lut, out);
+  }
+}
+
+#ifdef DEXT_AVX512
+__attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512")))
+void fp8_divide_block_avx512(const uint16_t* in, int64_t n, float scale, bool bf16_quotient,
+                             const uint8_t* lut, uint8_t* out) {
+  if (bf16_quotient) {
+    fp8_divide_impl<true>(in, n, scale, lut, out);
+  } else {
+    fp8_divide_impl<false>(in, n, scale, lut, out);
+  }
+}
+#endif
+
+}  // namespace
+
+at::Tensor fp8_divide(const at::Tensor& src, double scale, bool bf16_quotient,
+                      const at::Tensor& table, const c10::optional<at::Tensor>& into) {
+  TORCH_CHECK_VALUE(src.device().is_cpu() && src.is_contiguous() &&
+                  src.scalar_type() == at::kBFloat16,
+              "fp8_divide: src must be a contiguous bfloat16 CPU tensor, got ", src.dtype(),
+              " on ", src.device());
+  TORCH_CHECK_VALUE(table.device().is_cpu() && table.is_contiguous() &&
+                  table.scalar_type() == at::kByte && table.numel() == 65536,
+              "fp8_divide: table must be a contiguous CPU uint8 tensor of 65536 values");
+  at::Tensor out;
+  if (into.has_value()) {
+    out = *into;
+    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
+                          out.element_size() == 1 && out.numel() == src.numel(),
+                      "fp8_divide: into must be a contiguous 1-byte CPU tensor of ",
+                      src.numel(), " elements (src's), got ", out.dtype(), " of ", out.numel());
+  } else {
+    out = at::empty(src.sizes(), src.options().dtype(at::kByte));
+  }
+  const uint16_t* in = static_cast<const uint16_t*>(src.data_ptr());
+  const uint8_t* lut = table.data_ptr<uint8_t>();
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  const float s = static_cast<float>(scale);
+  const int64_t n = src.numel();
+#ifdef DEXT_AVX512
+  static const bool avx512 = __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq");
+#endif
+  {
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; b += 4096) {
+        const int64_t m = std::min<int64_t>(4096, hi - b);
+#ifdef DEXT_AVX512
+        if (avx512) {
+          fp8_divide_block_avx512(in + b, m, s, bf16_quotient, lut, dst + b);
+          continue;
+        }
+#endif
+        fp8_divide_block(in + b, m, s, bf16_quotient, lut, dst + b);
+      }
+    });
+  }
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> nvfp4_rows(const at::Tensor& src, double scale_2,
                                               int64_t block) {
   at::Tensor packed, scales;

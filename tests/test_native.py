@@ -218,6 +218,32 @@ def test_table_lookup_maps_every_element_and_refuses_bad_arguments():
         _native.map_through_table(src, table, torch.zeros(600, dtype=torch.int16))
 
 
+def test_fp8_divide_is_torchs_division_and_cast_and_takes_inf_and_nan_from_the_table():
+    # Every bfloat16 value, in a length that is no multiple of a vector or of a block
+    # (4096), past the first block; with a table of a marker byte, which only the infinite
+    # and NaN values take (their bytes are the caller's: ModelOpt's table's).
+    values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    src = torch.cat([values, values[:4099]])
+    special = (src.view(torch.int16).to(torch.int32) & 0x7F80) == 0x7F80
+    marker = torch.full((65536,), 0xAB, dtype=torch.uint8)
+    for s in (0.02 / 448, 1.0, 3.3e3):
+        for scale in (torch.tensor(s), torch.tensor([s])):  # bf16 / float32 quotients
+            ref = (src / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+            got = _native.fp8_divide(src, s, scale.dim() == 0, marker)
+            assert torch.equal(got[~special], ref[~special]), (s, scale.shape)
+            assert torch.all(got[special] == 0xAB)
+    # Into the caller's bytes, and only those.
+    raw = torch.zeros(src.numel() + 2, dtype=torch.uint8)
+    got = _native.fp8_divide(src, 1.0, True, marker, raw[1:-1])
+    assert got.data_ptr() == raw[1:].data_ptr() and raw[0] == 0 and raw[-1] == 0
+    with pytest.raises(ValueError, match="src must be a contiguous bfloat16 CPU tensor"):
+        _native.fp8_divide(torch.zeros(4, dtype=torch.float16), 1.0, True, marker)
+    with pytest.raises(ValueError, match="65536"):
+        _native.fp8_divide(src, 1.0, True, marker[:-1])
+    with pytest.raises(ValueError, match="into must be a contiguous 1-byte CPU tensor"):
+        _native.fp8_divide(src, 1.0, True, marker, raw[:-3])
+
+
 def test_nvfp4_rows_refuses_a_block_that_does_not_divide_the_columns():
     with pytest.raises(ValueError, match="block must be even and divide the columns"):
         _native.nvfp4_rows(torch.zeros((2, 24), dtype=torch.bfloat16), 1.0, 16)

@@ -188,6 +188,28 @@ def _compare_fp8() -> list[str]:
                 if got.dtype != ref.dtype or not torch.equal(got.view(torch.uint8),
                                                              ref.view(torch.uint8)):
                     wrong.append(f"{dtype} {s}")
+            # bfloat16 rows by the compiled division (the quotient rounded to bfloat16, as
+            # for a 0-dim scale); float16 ones by the table
+            if fn.quotient is not (True if dtype == torch.bfloat16 else None):
+                wrong.append(f"{dtype} {s}: the path taken: {fn.quotient!r}")
+    # The division on every bfloat16 value, for scales over twenty decades and their edges
+    # (a NaN quotient of 0 / 0, an overflow to infinity, a subnormal scale), as a 0-dim
+    # scale (a bfloat16 quotient) and as a 1-element one (a float32 quotient).
+    rows = _every_value(torch.bfloat16).reshape(128, 512)
+    g = torch.Generator().manual_seed(7)
+    edges = [0.0, float("inf"), 1e-40, 2.0**-9, 448.0, 1e30]
+    for s in [*edges, *(10.0 ** (torch.rand(200, generator=g) * 20 - 12)).tolist()]:
+        for scale in (torch.tensor(s), torch.tensor([s])):
+            ref = to_quantized_weight(rows, scale, "fp8")
+            fn = _Fp8Rows(scale, torch.bfloat16, torch.bfloat16)
+            got = fn(rows, 0)["weight"]
+            if not torch.equal(got.view(torch.uint8), ref.view(torch.uint8)):
+                wrong.append(f"bfloat16 {s} {list(scale.shape)}")
+            if s not in edges and fn.quotient is not (scale.dim() == 0):
+                wrong.append(f"bfloat16 {s} {list(scale.shape)}: the path taken: "
+                             f"{fn.quotient!r}")
+            if s in (0.0, float("inf")) and fn.quotient is not None:
+                wrong.append(f"bfloat16 {s}: divided")
     return wrong
 
 
@@ -207,7 +229,8 @@ def _many_fp8_weights() -> tuple[int, list[str]]:
 
     rows = _every_value(torch.bfloat16)[:4096].reshape(8, 512)
     scales = torch.logspace(-6, 3, 300)
-    fns = [row_kernels._Fp8Rows(scales[i], torch.bfloat16, torch.bfloat16) for i in range(300)]
+    fns = [row_kernels._Fp8Rows(scales[i], torch.bfloat16, torch.bfloat16, divide=False)
+           for i in range(300)]
     wrong = []
     for _ in range(2):
         for i, fn in enumerate(fns):
@@ -217,7 +240,8 @@ def _many_fp8_weights() -> tuple[int, list[str]]:
     gc.collect()
     held = {id(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)
             and t.dtype == torch.uint8 and t.numel() == 65536}
-    return len(held), wrong
+    # (less the division's two tables of the infinite and NaN values, made once a process)
+    return len(held) - row_kernels._specials.cache_info().currsize, wrong
 
 
 def test_fp8_tables_of_many_weights_are_held_at_most_a_bound(compared):
@@ -232,14 +256,16 @@ def test_fp8_tables_are_kept_for_every_weight_where_they_fit_else_for_the_last_6
     # A dense model's FP8 weights each made once a call; a MoE's thousands not all held.
     from distributed_ext.export.plan import row_kernels
 
-    def fp8(n: int) -> list:
-        return [row_kernels._Fp8Rows(torch.ones(()), torch.bfloat16, torch.bfloat16)
+    def fp8(n: int, divide: bool = False) -> list:
+        return [row_kernels._Fp8Rows(torch.ones(()), torch.bfloat16, torch.bfloat16, divide)
                 for _ in range(n)]
 
     fits = row_kernels.TABLES_BYTES // row_kernels.TABLE_BYTES
     before = row_kernels.TABLES.count
     try:
-        row_kernels.keep_tables_for(fp8(300) + [None, lambda rows, first: {}])
+        # (a weight computed by the division needs no table)
+        row_kernels.keep_tables_for(fp8(300) + [None, lambda rows, first: {}] +
+                                    fp8(1000, divide=True))
         assert row_kernels.TABLES.count == 300
         row_kernels.keep_tables_for(fp8(fits))
         assert row_kernels.TABLES.count == fits
@@ -310,13 +336,37 @@ def _fallback_where_the_kernel_differs() -> tuple:
     row_kernels.nvfp4_rows = real
     row_kernels._CHECKED.clear()
     right = row_kernels.fast_rows(*args)
-    return (wrong is None, [str(w.message) for w in caught], right is not None)
+    # The FP8 division likewise: where it differs, the weight is looked up in its table.
+    divide = row_kernels.fp8_divide
+
+    def divided_off_by_one(src, scale, quotient, table, into=None):
+        out = divide(src, scale, quotient, table, into)
+        out.view(-1)[5] ^= 1
+        return out
+
+    row_kernels.fp8_divide = divided_off_by_one
+    scale = torch.tensor(1e-3)
+    one = {"weight": torch.zeros((2, 64), dtype=torch.float8_e4m3fn), "weight_scale": scale}
+    from modelopt.torch.export.quant_utils import to_quantized_weight
+
+    args = ("fp8", TensorQuantizer(), torch.bfloat16, torch.bfloat16, 64, one, ["weight"],
+            lambda r, _f: {"weight": to_quantized_weight(r, scale, "fp8")})
+    with warnings.catch_warnings(record=True) as caught_fp8:
+        warnings.simplefilter("always")
+        looked_up = row_kernels.fast_rows(*args)
+    row_kernels.fp8_divide = divide
+    row_kernels._CHECKED.clear()
+    divided = row_kernels.fast_rows(*args)
+    return (wrong is None, [str(w.message) for w in caught], right is not None,
+            looked_up.quotient, [str(w.message) for w in caught_fp8], divided.quotient)
 
 
 def test_a_kernel_that_differs_from_modelopt_is_not_used(compared):
-    refused, said, used = compared["fallback"]
+    refused, said, used, looked_up, said_fp8, divided = compared["fallback"]
     assert refused and used
     assert any("compiled nvfp4 arithmetic differs from ModelOpt's" in s for s in said), said
+    assert looked_up is None and divided is True
+    assert any("compiled fp8 division differs from ModelOpt's" in s for s in said_fp8), said_fp8
 
 
 def _export_alone(base: str, fmt: str) -> tuple[int, int]:

@@ -6,10 +6,12 @@ costs a few hundred microseconds of Python per call; a rank calls it once per Mi
 rows. Here:
 
 - **FP8 per-tensor** (``fp8``): each written byte is a function of one 2-byte weight value
-  and the tensor's scale (``(w / scale).to(float8_e4m3fn)``). It is tabulated by ModelOpt's
-  own export over all 65536 values of the weight's dtype, once per weight, and applied by
-  table lookup (:func:`distributed_ext._native.map_through_table`): ModelOpt's bytes by
-  construction.
+  and the tensor's scale (``(w / scale).to(float8_e4m3fn)``). For bfloat16 weights under a
+  finite positive float32 scale, torch's division and cast restated
+  (:func:`distributed_ext._native.fp8_divide`, 1.6x the lookup below); else tabulated by
+  ModelOpt's own export over all 65536 values of the weight's dtype, once per weight, and
+  applied by table lookup (:func:`distributed_ext._native.map_through_table`): ModelOpt's
+  bytes by construction.
 - **NVFP4** (``nvfp4``, ``w4a16_nvfp4``) with scales computed from the weight (not a static
   quantizer's): :func:`distributed_ext._native.nvfp4_rows` restates its arithmetic in C++.
   (A block holding a NaN gets a NaN scale whose sign bit ModelOpt's own arithmetic sets
@@ -20,9 +22,10 @@ rows. Here:
 
 Each is compared, once per process and dtype, with ModelOpt's export of the same rows
 (every finite value of the dtype and the infinities, shuffled) before it is used; where it
-differs (another ModelOpt or torch), ModelOpt's arithmetic is used, with a warning. The
-FP8 tables of every weight are kept where they fit in 32 MiB, else those of the last 64
-computed (4 MiB: :func:`keep_tables_for`); nothing else.
+differs (another ModelOpt or torch), ModelOpt's arithmetic is used (for the FP8 division,
+the table), with a warning. The FP8 tables of every weight looked up in one are kept where
+they fit in 32 MiB, else those of the last 64 computed (4 MiB: :func:`keep_tables_for`);
+nothing else.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ from collections.abc import Callable
 
 import torch
 
-from distributed_ext._native import int4_rows, map_through_table, nvfp4_rows, nvfp4_scales
+from distributed_ext._native import (
+    fp8_divide,
+    int4_rows,
+    map_through_table,
+    nvfp4_rows,
+    nvfp4_scales,
+)
 
 # (fmt, dtype, block) -> whether the kernel gave ModelOpt's bytes in this process.
 _CHECKED: dict[tuple, bool] = {}
@@ -76,7 +85,12 @@ def fast_rows(fmt: str, weight_quantizer: torch.nn.Module, weight_dtype: torch.d
     if fmt == "fp8" and set(per_row) == {"weight"} and weight_dtype.itemsize == 2 and \
             one["weight"].dtype == torch.float8_e4m3fn and "weight_scale" in one and \
             one["weight_scale"].numel() == 1:
-        fn: RowsFn = _Fp8Rows(one["weight_scale"], weight_dtype, dtype)
+        fp8 = _Fp8Rows(one["weight_scale"], weight_dtype, dtype)
+        if fp8.quotient is not None and _checked(
+                ("fp8 divided", weight_dtype, dtype, fp8.quotient), fp8, modelopt_rows,
+                weight_dtype, cols, "fp8 division"):
+            return fp8
+        fn: RowsFn = _Fp8Rows(one["weight_scale"], weight_dtype, dtype, divide=False)
         block = 0
     elif fmt in _NVFP4 and set(per_row) == {"weight", "weight_scale"} and \
             weight_dtype == dtype and weight_dtype in (
@@ -101,19 +115,26 @@ def fast_rows(fmt: str, weight_quantizer: torch.nn.Module, weight_dtype: torch.d
         fn = _Int4Rows(block, modelopt_scale)
     else:
         return None
-    key = (fmt, weight_dtype, dtype, block)
+    ok = _checked((fmt, weight_dtype, dtype, block), fn, modelopt_rows, weight_dtype, cols,
+                  f"{fmt} arithmetic", *((total, 2) if fmt == "int4_awq" else (0, 1)))
+    return fn if ok else None
+
+
+def _checked(key: tuple, fn: RowsFn, modelopt_rows: RowsFn, weight_dtype: torch.dtype,
+             cols: int, what: str, most: int = 0, step: int = 1) -> bool:
+    """Whether ``fn`` gave ModelOpt's bytes (:func:`_same_bytes`), asked once per process and
+    ``key``; a warning where it did not (the caller then takes a slower way)."""
     with _LOCK:
         ok = _CHECKED.get(key)
     if ok is None:
-        ok = _same_bytes(fn, modelopt_rows, weight_dtype, cols,
-                         *((total, 2) if fmt == "int4_awq" else (0, 1)))
+        ok = _same_bytes(fn, modelopt_rows, weight_dtype, cols, most, step)
         if not ok:
-            warnings.warn(f"distributed_ext: the compiled {fmt} arithmetic differs from "
-                          f"ModelOpt's on {weight_dtype} rows here; ModelOpt's own is used "
-                          "(slower)", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"distributed_ext: the compiled {what} differs from ModelOpt's on "
+                          f"{weight_dtype} rows here; a slower way that gives its bytes is "
+                          "used", RuntimeWarning, stacklevel=3)
         with _LOCK:
             _CHECKED[key] = ok
-    return fn if ok else None
+    return ok
 
 
 def _dynamic(weight_quantizer: torch.nn.Module) -> bool:
@@ -180,17 +201,22 @@ class _Tables:
     def resize(self, count: int) -> None:
         with _LOCK:
             self.count = count
-            while len(self.tables) > self.count:
-                self.tables.popitem(last=False)
+            self._trim()
 
     def put(self, key: int, table: torch.Tensor) -> None:
         with _LOCK:
             self.tables[key] = table
-            while len(self.tables) > self.count:
-                self.tables.popitem(last=False)
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drops the least recently used tables past ``count`` (the caller holds the lock)."""
+        while len(self.tables) > self.count:
+            self.tables.popitem(last=False)
 
 
-TABLES = _Tables(64)
+# The tables kept where a model's FP8 weights' do not all fit in TABLES_BYTES (a MoE's).
+TABLES_LAST = 64
+TABLES = _Tables(TABLES_LAST)
 # Where a model's FP8 weights' tables fit in this, each is kept (:func:`keep_tables_for`).
 TABLES_BYTES = 32 * 2**20
 TABLE_BYTES = 65536
@@ -199,50 +225,87 @@ _SERIALS = itertools.count()
 
 def keep_tables_for(fns: list[RowsFn | None]) -> None:
     """Bound :data:`TABLES` by what the export of ``fns`` (its weights' compiled rows)
-    needs: each FP8 weight's table where they fit in :data:`TABLES_BYTES`, else the last 64.
+    needs: each FP8 weight's table where they fit in :data:`TABLES_BYTES`, else the last
+    :data:`TABLES_LAST`.
 
     Why: a rank's own rows and its shared blocks walk the weights at once, so with 64 kept
     a 1 GiB Llama (294 weights) made 830-840 tables a call, 0.13-0.23 s of its staging
     thread; every weight's, each was made once. A MoE (1940 weights of 5 layers of 128
     experts) walks them expert by expert: 512 kept measured 90-110 MiB of peak RSS growth
     a rank against 36 MiB with 64, for nothing gained."""
-    needed = sum(isinstance(fn, _Fp8Rows) for fn in fns)
-    TABLES.resize(needed if needed * TABLE_BYTES <= TABLES_BYTES else 64)
+    needed = sum(isinstance(fn, _Fp8Rows) and fn.quotient is None for fn in fns)
+    TABLES.resize(needed if needed * TABLE_BYTES <= TABLES_BYTES else TABLES_LAST)
 
 
 class _Fp8Rows:
-    """FP8 per-tensor rows by lookup in a table of every value of the weight's dtype, made
-    by ModelOpt's ``to_quantized_weight`` -- what its export calls for them, after casting
-    the weight to the export's dtype -- with the weight's scale (kept in :data:`TABLES`)."""
+    """FP8 per-tensor rows, ``(w / scale).to(float8_e4m3fn)`` as ModelOpt's
+    ``to_quantized_weight`` computes them after casting the weight to the export's dtype.
 
-    def __init__(self, scale: torch.Tensor, weight_dtype: torch.dtype, dtype: torch.dtype
-                 ) -> None:
+    For bfloat16 weights exported in bfloat16 under a finite positive float32 scale (the
+    usual case), by the compiled core's division (:func:`distributed_ext._native.fp8_divide`;
+    ``quotient``: whether the quotient is rounded to bfloat16 first, as torch's for a 0-dim
+    scale), an infinite or NaN value's byte from ModelOpt's own table of them
+    (:func:`_specials`): no table a weight, 1.6x the lookup's rate. Checked once per process
+    (:func:`fast_rows`). Else (``divide`` False, another dtype or scale) by lookup in a table
+    of every value of the weight's dtype, made by that function with the weight's scale
+    (kept in :data:`TABLES`): ModelOpt's bytes by construction."""
+
+    def __init__(self, scale: torch.Tensor, weight_dtype: torch.dtype, dtype: torch.dtype,
+                 divide: bool = True) -> None:
         self.scale, self.weight_dtype, self.dtype = scale, weight_dtype, dtype
         self.serial = next(_SERIALS)  # (this weight's key among the tables)
+        self.quotient: bool | None = None
+        if divide and weight_dtype == dtype == torch.bfloat16 and scale.numel() == 1 and \
+                scale.dtype == torch.float32:
+            value = float(scale.reshape(()))
+            if 0.0 < value < float("inf"):
+                self.quotient, self.value = scale.dim() == 0, value
 
     def table(self) -> torch.Tensor:
         table = TABLES.get(self.serial)
         if table is None:  # (two threads may both make it: the same table)
-            from modelopt.torch.export.quant_utils import to_quantized_weight
-
-            values = _all_values(self.weight_dtype).reshape(256, 256)
-            made = to_quantized_weight(values.to(self.dtype), self.scale, "fp8")
-            table = made.reshape(-1).view(torch.uint8).contiguous()
+            table = _modelopt_table(self.scale, self.weight_dtype, self.dtype)
             TABLES.put(self.serial, table)
         return table
 
+    def _rows(self, src: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        if self.quotient is None:
+            return map_through_table(src, self.table(), into)
+        return fp8_divide(src, self.value, self.quotient, _specials(self.quotient), into)
+
     def __call__(self, rows: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
-        table = self.table()
         src = rows.contiguous()  # (itself where it is)
-        return {"weight": map_through_table(src, table).view(torch.float8_e4m3fn)}
+        return {"weight": self._rows(src, None).view(torch.float8_e4m3fn)}
 
     def rows_into(self, rows: torch.Tensor, first: int,
                   empty: Callable[[int], torch.Tensor]) -> torch.Tensor:
         """The weight's rows, computed into ``empty(nbytes)`` (uint8): no temporaries, so
         every row at once (:meth:`Transform.rows_of`)."""
         src = rows.contiguous()  # (itself where it is)
-        out = map_through_table(src, self.table(), empty(src.numel()))
+        out = self._rows(src, empty(src.numel()))
         return out.view(torch.float8_e4m3fn).view(src.shape)
+
+
+def _modelopt_table(scale: torch.Tensor, weight_dtype: torch.dtype, dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """ModelOpt's FP8 byte of every value of a 2-byte ``weight_dtype`` (uint8, by bits) under
+    ``scale``, after the cast to the export's ``dtype``."""
+    from modelopt.torch.export.quant_utils import to_quantized_weight
+
+    values = _all_values(weight_dtype).reshape(256, 256)
+    made = to_quantized_weight(values.to(dtype), scale, "fp8")
+    return made.reshape(-1).view(torch.uint8).contiguous()
+
+
+@functools.lru_cache(maxsize=2)
+def _specials(quotient: bool) -> torch.Tensor:
+    """ModelOpt's table of a bfloat16 weight under a 0-dim (``quotient``) or a 1-element
+    scale of 1, for :func:`fp8_divide`'s infinite and NaN values: theirs do not depend on a
+    finite positive scale (an infinity saturates, a NaN stays one); checked with the rest
+    once per process (:func:`fast_rows`)."""
+    one = torch.ones((), dtype=torch.float32)
+    return _modelopt_table(one if quotient else one.reshape(1), torch.bfloat16,
+                           torch.bfloat16)
 
 
 class _Nvfp4Rows:
