@@ -99,9 +99,10 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
     does). Memory beyond an unquantized
     export: the quantized bytes of the messages in flight (at most three chunks in each
     thread that sends or writes them) and the arithmetic's temporaries for 1 MiB of rows at
-    a time (FP8 and NVFP4, in the compiled core: none beyond a 64 KiB table per FP8 weight,
-    every weight's kept where they fit in 32 MiB, else the last 64: 4 MiB; the other
-    formats, ModelOpt's own arithmetic: several float32 copies of them). Written direct, a
+    a time (FP8 and NVFP4, in the compiled core: none -- a bfloat16 FP8 weight under a
+    finite positive scale is divided there, other FP8 weights looked up in a 64 KiB table
+    each, every such weight's kept where they fit in 32 MiB, else the last 64: 4 MiB; the
+    other formats, ModelOpt's own arithmetic: several float32 copies of them). Written direct, a
     rank's quantized messages are computed into three slots of transparent huge pages (a
     direct write from them is few segments), of which only what a message touches takes
     memory.
