@@ -113,7 +113,7 @@ def test_each_layer_of_the_export_imports_only_the_layers_below_it():
 
 
 # The compiled core's pure arithmetic, which the plan's transforms may call (plan.row_kernels).
-_ARITHMETIC = {"int4_rows", "map_through_table", "nvfp4_rows", "nvfp4_scales"}
+_ARITHMETIC = {"fp8_divide", "int4_rows", "map_through_table", "nvfp4_rows", "nvfp4_scales"}
 
 
 def test_the_plan_has_no_process_group_and_no_files():
