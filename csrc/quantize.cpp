@@ -22,24 +22,32 @@
 
 namespace distributed_ext {
 
+namespace {
+
+// The checks of a 65536-byte table and the output of map_through_table and fp8_divide (one
+// byte per element of src): ``into`` where given, else a new uint8 tensor of src's shape.
+at::Tensor table_output(const char* what, const at::Tensor& src, const at::Tensor& table,
+                        const c10::optional<at::Tensor>& into) {
+  TORCH_CHECK_VALUE(table.device().is_cpu() && table.is_contiguous() &&
+                  table.scalar_type() == at::kByte && table.numel() == 65536,
+              what, ": table must be a contiguous CPU uint8 tensor of 65536 values");
+  if (!into.has_value()) return at::empty(src.sizes(), src.options().dtype(at::kByte));
+  const at::Tensor& out = *into;
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() && out.element_size() == 1 &&
+                        out.numel() == src.numel(),
+                    what, ": into must be a contiguous 1-byte CPU tensor of ", src.numel(),
+                    " elements (src's), got ", out.dtype(), " of ", out.numel());
+  return out;
+}
+
+}  // namespace
+
 at::Tensor map_through_table(const at::Tensor& src, const at::Tensor& table,
                              const c10::optional<at::Tensor>& into) {
   TORCH_CHECK_VALUE(src.device().is_cpu() && src.is_contiguous() && src.element_size() == 2,
               "map_through_table: src must be a contiguous CPU tensor of a 2-byte dtype, got ",
               src.dtype(), " on ", src.device());
-  TORCH_CHECK_VALUE(table.device().is_cpu() && table.is_contiguous() &&
-                  table.scalar_type() == at::kByte && table.numel() == 65536,
-              "map_through_table: table must be a contiguous CPU uint8 tensor of 65536 values");
-  at::Tensor out;
-  if (into.has_value()) {
-    out = *into;
-    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
-                          out.element_size() == 1 && out.numel() == src.numel(),
-                      "map_through_table: into must be a contiguous 1-byte CPU tensor of ",
-                      src.numel(), " elements (src's), got ", out.dtype(), " of ", out.numel());
-  } else {
-    out = at::empty(src.sizes(), src.options().dtype(at::kByte));
-  }
+  at::Tensor out = table_output("map_through_table", src, table, into);
   const uint16_t* in = static_cast<const uint16_t*>(src.data_ptr());
   const uint8_t* lut = table.data_ptr<uint8_t>();
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
@@ -422,9 +430,9 @@ inline __attribute__((always_inline)) void fp8_divide_impl(const uint16_t* in, i
   }
 }
 
-DEXT_CLONES
-void fp8_divide_block(const uint16_t* in, int64_t n, float scale, bool bf16_quotient,
-                      const uint8_t* lut, uint8_t* out) {
+inline __attribute__((always_inline)) void fp8_divide_either(
+    const uint16_t* in, int64_t n, float scale, bool bf16_quotient, const uint8_t* lut,
+    uint8_t* out) {
   if (bf16_quotient) {
     fp8_divide_impl<true>(in, n, scale, lut, out);
   } else {
@@ -432,15 +440,18 @@ void fp8_divide_block(const uint16_t* in, int64_t n, float scale, bool bf16_quot
   }
 }
 
+// (the same loop compiled for each target, as nvfp4_row16's)
+DEXT_CLONES
+void fp8_divide_block(const uint16_t* in, int64_t n, float scale, bool bf16_quotient,
+                      const uint8_t* lut, uint8_t* out) {
+  fp8_divide_either(in, n, scale, bf16_quotient, lut, out);
+}
+
 #ifdef DEXT_AVX512
 __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512")))
 void fp8_divide_block_avx512(const uint16_t* in, int64_t n, float scale, bool bf16_quotient,
                              const uint8_t* lut, uint8_t* out) {
-  if (bf16_quotient) {
-    fp8_divide_impl<true>(in, n, scale, lut, out);
-  } else {
-    fp8_divide_impl<false>(in, n, scale, lut, out);
-  }
+  fp8_divide_either(in, n, scale, bf16_quotient, lut, out);
 }
 #endif
 
@@ -452,19 +463,7 @@ at::Tensor fp8_divide(const at::Tensor& src, double scale, bool bf16_quotient,
                   src.scalar_type() == at::kBFloat16,
               "fp8_divide: src must be a contiguous bfloat16 CPU tensor, got ", src.dtype(),
               " on ", src.device());
-  TORCH_CHECK_VALUE(table.device().is_cpu() && table.is_contiguous() &&
-                  table.scalar_type() == at::kByte && table.numel() == 65536,
-              "fp8_divide: table must be a contiguous CPU uint8 tensor of 65536 values");
-  at::Tensor out;
-  if (into.has_value()) {
-    out = *into;
-    TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() &&
-                          out.element_size() == 1 && out.numel() == src.numel(),
-                      "fp8_divide: into must be a contiguous 1-byte CPU tensor of ",
-                      src.numel(), " elements (src's), got ", out.dtype(), " of ", out.numel());
-  } else {
-    out = at::empty(src.sizes(), src.options().dtype(at::kByte));
-  }
+  at::Tensor out = table_output("fp8_divide", src, table, into);
   const uint16_t* in = static_cast<const uint16_t*>(src.data_ptr());
   const uint8_t* lut = table.data_ptr<uint8_t>();
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());

@@ -310,55 +310,58 @@ def test_int4_kernel_equals_modelopts_arithmetic_on_every_value(compared):
     assert compared["int4"] == []
 
 
+def _swapped(name: str, wrong: object, args: tuple) -> tuple:
+    """``fast_rows(*args)`` with the kernel ``row_kernels.<name>`` swapped for ``wrong`` (and
+    the warnings it gave), then with the real one again (each checked afresh)."""
+    from distributed_ext.export.plan import row_kernels
+
+    real = getattr(row_kernels, name)
+    row_kernels._CHECKED.clear()
+    setattr(row_kernels, name, wrong)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with_wrong = row_kernels.fast_rows(*args)
+    finally:
+        setattr(row_kernels, name, real)
+        row_kernels._CHECKED.clear()
+    return with_wrong, [str(w.message) for w in caught], row_kernels.fast_rows(*args)
+
+
 def _fallback_where_the_kernel_differs() -> tuple:
+    from modelopt.torch.export.quant_utils import to_quantized_weight
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     from distributed_ext.export.plan import row_kernels
 
-    row_kernels._CHECKED.clear()
-    real = row_kernels.nvfp4_rows
+    nvfp4, divide = row_kernels.nvfp4_rows, row_kernels.fp8_divide
 
     def off_by_one(src, scale_2, block):  # a kernel with one wrong code
-        packed, scales = real(src, scale_2, block)
+        packed, scales = nvfp4(src, scale_2, block)
         packed.view(-1)[7] ^= 1
         return packed, scales
 
-    row_kernels.nvfp4_rows = off_by_one
     scale_2 = torch.tensor(1e-3)
     one = {"weight": torch.zeros((2, 32), dtype=torch.uint8),
            "weight_scale": torch.zeros((2, 4), dtype=torch.float8_e4m3fn),
            "weight_scale_2": scale_2}
-    args = ("nvfp4", TensorQuantizer(), torch.bfloat16, torch.bfloat16, 64, one,
-            ["weight", "weight_scale"], lambda r, _f: _modelopt_nvfp4(r, scale_2))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        wrong = row_kernels.fast_rows(*args)
-    row_kernels.nvfp4_rows = real
-    row_kernels._CHECKED.clear()
-    right = row_kernels.fast_rows(*args)
-    # The FP8 division likewise: where it differs, the weight is looked up in its table.
-    divide = row_kernels.fp8_divide
+    wrong, said, right = _swapped("nvfp4_rows", off_by_one, (
+        "nvfp4", TensorQuantizer(), torch.bfloat16, torch.bfloat16, 64, one,
+        ["weight", "weight_scale"], lambda r, _f: _modelopt_nvfp4(r, scale_2)))
 
+    # The FP8 division likewise: where it differs, the weight is looked up in its table.
     def divided_off_by_one(src, scale, quotient, table, into=None):
         out = divide(src, scale, quotient, table, into)
         out.view(-1)[5] ^= 1
         return out
 
-    row_kernels.fp8_divide = divided_off_by_one
     scale = torch.tensor(1e-3)
     one = {"weight": torch.zeros((2, 64), dtype=torch.float8_e4m3fn), "weight_scale": scale}
-    from modelopt.torch.export.quant_utils import to_quantized_weight
-
-    args = ("fp8", TensorQuantizer(), torch.bfloat16, torch.bfloat16, 64, one, ["weight"],
-            lambda r, _f: {"weight": to_quantized_weight(r, scale, "fp8")})
-    with warnings.catch_warnings(record=True) as caught_fp8:
-        warnings.simplefilter("always")
-        looked_up = row_kernels.fast_rows(*args)
-    row_kernels.fp8_divide = divide
-    row_kernels._CHECKED.clear()
-    divided = row_kernels.fast_rows(*args)
-    return (wrong is None, [str(w.message) for w in caught], right is not None,
-            looked_up.quotient, [str(w.message) for w in caught_fp8], divided.quotient)
+    looked_up, said_fp8, divided = _swapped("fp8_divide", divided_off_by_one, (
+        "fp8", TensorQuantizer(), torch.bfloat16, torch.bfloat16, 64, one, ["weight"],
+        lambda r, _f: {"weight": to_quantized_weight(r, scale, "fp8")}))
+    return (wrong is None, said, right is not None, looked_up.quotient, said_fp8,
+            divided.quotient)
 
 
 def test_a_kernel_that_differs_from_modelopt_is_not_used(compared):
