@@ -378,9 +378,10 @@ namespace {
 // float32), then c10's fp8e4m3fn_from_fp32_value restated without branches, so that the
 // loop over a block vectorizes -- except that a value that rounds past E4M3's range
 // saturates to its largest (448), as torch 2.13's cast does on this CPU, where c10's gives
-// a NaN. Wrong for an infinite or NaN ``w`` (the caller's table
-// gives those) and meant to be checked, on every bfloat16 value, against ModelOpt's own
-// table of the weight before use (plan/row_kernels.py).
+// a NaN. Wrong for an infinite or NaN ``w`` (the caller's table gives those); checked
+// once per process, on every finite bfloat16 value and the infinities, against ModelOpt's
+// export before use (plan/row_kernels.py); tests/test_row_kernels.py compares it on every
+// bfloat16 value for 206 scales.
 template <bool BF16_QUOTIENT>
 inline uint8_t fp8_of_quotient(uint16_t w, float scale) {
   const uint32_t wb = static_cast<uint32_t>(w) << 16;
