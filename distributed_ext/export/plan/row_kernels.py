@@ -90,7 +90,8 @@ def fast_rows(fmt: str, weight_quantizer: torch.nn.Module, weight_dtype: torch.d
                 ("fp8 divided", weight_dtype, dtype, fp8.quotient), fp8, modelopt_rows,
                 weight_dtype, cols, "fp8 division"):
             return fp8
-        fn: RowsFn = _Fp8Rows(one["weight_scale"], weight_dtype, dtype, divide=False)
+        fn: RowsFn = fp8 if fp8.quotient is None else \
+            _Fp8Rows(one["weight_scale"], weight_dtype, dtype, divide=False)
         block = 0
     elif fmt in _NVFP4 and set(per_row) == {"weight", "weight_scale"} and \
             weight_dtype == dtype and weight_dtype in (
