@@ -185,14 +185,21 @@ void nvfp4_row16_avx512(const float* xf, int64_t cols, float scale_2, uint8_t* p
 }
 #endif
 
+#ifdef DEXT_AVX512
+// Whether the 512-bit clones may run: asked of the CPU once a process.
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+#endif
+
 void nvfp4_row16(const float* xf, int64_t cols, float scale_2, uint8_t* packed,
                  uint8_t* scales, float* div, uint8_t* code, uint32_t* mag, uint32_t* top,
                  float* dq) {
 #ifdef DEXT_AVX512
-  static const bool avx512 = __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq");
-  if (avx512) {
+  if (has_avx512()) {
     nvfp4_row16_avx512(xf, cols, scale_2, packed, scales, div, code, mag, top, dq);
     return;
   }
@@ -471,9 +478,7 @@ at::Tensor fp8_divide(const at::Tensor& src, double scale, bool bf16_quotient,
   const float s = static_cast<float>(scale);
   const int64_t n = src.numel();
 #ifdef DEXT_AVX512
-  static const bool avx512 = __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq");
+  const bool avx512 = has_avx512();
 #endif
   {
     pybind11::gil_scoped_release no_gil;

@@ -195,7 +195,7 @@ def fp8_divide(src: torch.Tensor, scale: float, bf16_quotient: bool, table: torc
     ``scale``, as torch computes ``(src / scale).to(torch.float8_e4m3fn)``: the quotient
     rounded to bfloat16 first where ``bf16_quotient`` (a 0-dim scale tensor's result
     dtype), else kept in float32; an infinite or NaN element's byte is ``table``'s (as
-    :func:`map_through_table`). Arithmetic where the table is a lookup: 1.6x its rate
+    :func:`map_through_table`). Arithmetic where the table is a lookup: 1.2-1.6x its rate
     (benchmarks/bench_fp8_rows.py); the caller checks it against ModelOpt's bytes first.
     Returns uint8 of ``src``'s shape, or ``into`` filled; GIL released, threads used."""
     return _C.fp8_divide(src, float(scale), bool(bf16_quotient), table, into)

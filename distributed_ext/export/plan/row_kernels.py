@@ -8,7 +8,7 @@ rows. Here:
 - **FP8 per-tensor** (``fp8``): each written byte is a function of one 2-byte weight value
   and the tensor's scale (``(w / scale).to(float8_e4m3fn)``). For bfloat16 weights under a
   finite positive float32 scale, torch's division and cast restated
-  (:func:`distributed_ext._native.fp8_divide`, 1.6x the lookup below); else tabulated by
+  (:func:`distributed_ext._native.fp8_divide`, 1.2-1.6x the lookup below); else tabulated by
   ModelOpt's own export over all 65536 values of the weight's dtype, once per weight, and
   applied by table lookup (:func:`distributed_ext._native.map_through_table`): ModelOpt's
   bytes by construction.
@@ -246,7 +246,7 @@ class _Fp8Rows:
     usual case), by the compiled core's division (:func:`distributed_ext._native.fp8_divide`;
     ``quotient``: whether the quotient is rounded to bfloat16 first, as torch's for a 0-dim
     scale), an infinite or NaN value's byte from ModelOpt's own table of them
-    (:func:`_specials`): no table a weight, 1.6x the lookup's rate. Checked once per process
+    (:func:`_specials`): no table a weight, 1.2-1.6x the lookup's rate. Checked once per process
     (:func:`fast_rows`). Else (``divide`` False, another dtype or scale) by lookup in a table
     of every value of the weight's dtype, made by that function with the weight's scale
     (kept in :data:`TABLES`): ModelOpt's bytes by construction."""
