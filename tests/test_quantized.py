@@ -93,9 +93,12 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
     from distributed_ext.export import rounds
     from distributed_ext.export.plan import quantized, row_kernels
 
-    probed: list[str] = []  # (the weights this rank asks ModelOpt to probe)
+    probed: list[str] = []  # (the weights this rank probes)
+    probe_once = quantized._probe_once
+    quantized._probe_once = lambda w, *args: probed.append(w.key) or probe_once(w, *args)
+    made: list[str] = []  # (those it asks ModelOpt to probe: a probe may serve two weights)
     probe = quantized._probe
-    quantized._probe = lambda w, *args: probed.append(w.key) or probe(w, *args)
+    quantized._probe = lambda w, *args: made.append(w.key) or probe(w, *args)
     import modelopt.torch.export.quant_utils as quant_utils
 
     configs = [0]  # (how often this rank asks ModelOpt for the model's quantization config)
@@ -112,14 +115,17 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
     requantize = unified.requantize_resmooth_fused_llm_layers
     unified.requantize_resmooth_fused_llm_layers = lambda *args: \
         gathered.__setitem__(0, gathered[0] + 1) or requantize(*args)
-    out: dict = {"probed": {}, "resolved": {}, "gathered": {}, "configs": {}, "tables": {}}
+    out: dict = {"probed": {}, "made": {}, "resolved": {}, "gathered": {}, "configs": {},
+                 "tables": {}}
     for family, fmt in cases:
         model = _quantized(family, fmt)
         dx.fsdp2_wrap(model)
         probed.clear()
+        made.clear()
         resolved[0] = gathered[0] = configs[0] = 0
         dx.export_hf_checkpoint(model, os.path.join(base, "ours", family, fmt), writers=writers)
         out["probed"][family, fmt] = list(probed)
+        out["made"][family, fmt] = list(made)
         out["configs"][family, fmt] = configs[0]
         out["resolved"][family, fmt] = resolved[0]
         out["gathered"][family, fmt] = gathered[0]
@@ -200,9 +206,24 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, r
                      k.removesuffix("weight") + "weight_scale" in ours}
         probed = [r["probed"][family, fmt] for r in results]
         assert sorted(k for keys in probed for k in keys) == sorted(quantized), fmt
-        others = list(map(len, probed[:-1]))
-        assert max(others) - min(others) <= 1 and len(probed[-1]) <= min(others), (fmt, probed)
+        # (balanced in the probes made: a probe may serve two weights)
+        made = [r["made"][family, fmt] for r in results]
+        others = list(map(len, made[:-1]))
+        assert max(others) - min(others) <= 1 and len(made[-1]) <= min(others), (fmt, made)
         assert [r["configs"][family, fmt] for r in results] == [0] * (world - 1) + [1], fmt
+        # ModelOpt is asked once a stand-in: a gated expert's up projection takes its gate's
+        # probe, the two sharing one weight quantizer of a per-tensor amax (FP8's, and
+        # NVFP4's global one: its block scales come from the rows).
+        experts = family == "qwen3-moe" and not fmt.endswith("experts-off")
+        shared = 0
+        for r in results:
+            mine, asked = r["probed"][family, fmt], r["made"][family, fmt]
+            assert len(set(asked)) == len(asked) and set(asked) <= set(mine), fmt
+            pairs = {k for k in mine if ".experts." in k and k.endswith(".up_proj.weight")
+                     and k.replace(".up_proj.", ".gate_proj.") in mine}
+            assert set(mine) - set(asked) == (pairs if experts else set()), fmt
+            shared += len(pairs)
+        assert shared > 0 if experts else shared == 0, fmt
         # The state is resolved once where the probes are made in the first round (after
         # ModelOpt's steps before it quantizes); again after the pre-quant scales' fusing.
         once = 2 if fmt in ("INT4_AWQ_CFG", "INT8_SMOOTHQUANT_CFG") else 1

@@ -328,10 +328,14 @@ _TOKENS = itertools.count()
 
 
 def _unit_of(w: _keys.Written, sources: dict[str, Any], held: dict[str, tuple],
-             probe: nn.Module | None = None) -> _Unit | None:
+             probe: nn.Module | None = None, formats: dict[tuple, str | None] | None = None
+             ) -> _Unit | None:
     """The unit of a written tensor made from a quantized in-memory weight (None for any
     other); ValueError where it is made in a way ModelOpt's weights are not split by rows.
-    ``probe``: a module of :func:`_format_probe` to ask an expert's format through."""
+    ``probe``: a module of :func:`_format_probe` to ask an expert's format through;
+    ``formats``: the experts' formats asked so far in this walk, by their quantizers'
+    identity (a gated expert's gate and up projections share its weight quantizer: asked
+    once for both)."""
     srcs = {p.source for p in w.parts}
     quantized = [s for s in srcs if s in sources]
     if not quantized:
@@ -363,17 +367,32 @@ def _unit_of(w: _keys.Written, sources: dict[str, Any], held: dict[str, tuple],
     expert = part.src_start[0]
     wq = getattr(module, f"{attr}_weight_quantizers")[expert]
     iq = getattr(module, f"{attr}_input_quantizer", None)
-    fmt = _format(wq, iq, probe)
+    asked = (id(wq), id(iq))  # (alive for the walk: ids are not reused during it)
+    if formats is not None and asked in formats:
+        fmt = formats[asked]
+    else:
+        fmt = _format(wq, iq, probe)
+        if fmt is not None:
+            _check_calibrated(w, wq, expert, key)
+        if formats is not None:
+            formats[asked] = fmt
     if fmt is None:  # (this expert's weights left unquantized: written as they are)
         return None
+    return _Unit(w.key.removesuffix(".weight"), fmt, wq, iq, None, part.src_start[1],
+                 src_shape[1])
+
+
+def _check_calibrated(w: _keys.Written, wq: nn.Module, expert: int, key: str) -> None:
+    """ValueError where an expert's enabled weight quantizer has no amax, or one of zeros
+    (ModelOpt's own test for it, an uncalibrated expert)."""
     amax = getattr(wq, "_amax", None)
-    if getattr(wq, "is_enabled", False) and (amax is None or bool(torch.all(amax == 0))):
+    if not getattr(wq, "is_enabled", False):
+        return
+    if amax is None or (amax.item() == 0 if amax.numel() == 1 else bool(torch.all(amax == 0))):
         raise ValueError(f"{w.key!r}: expert {expert} of {key!r} was not calibrated (its amax "
                          "is missing or zero); ModelOpt then takes the amax of its whole "
                          "weight, which is not computed from the shards -- calibrate with "
                          "data that routes tokens to every expert")
-    return _Unit(w.key.removesuffix(".weight"), fmt, wq, iq, None, part.src_start[1],
-                 src_shape[1])
 
 
 # A weight's probe (:func:`_probe`): ModelOpt's outputs of a few rows, in its order, each
@@ -421,8 +440,9 @@ def _units(model: nn.Module, sources: dict[str, Any], held: dict[str, tuple],
         return list(last)
     units = []
     probe = _format_probe()  # (one for the walk: a MoE asks the format of each expert)
+    formats: dict[tuple, str | None] = {}
     for w in _keys.resolve_written(model, held, converts):
-        unit = _unit_of(w, sources, held, probe)
+        unit = _unit_of(w, sources, held, probe, formats)
         if unit is None:
             continue
         if unit.fmt not in ROW_FORMATS:
@@ -440,9 +460,10 @@ def probe_share(model: nn.Module, state_of: Callable[[], dict[str, Any]], index:
                 count: int, pre_quant: bool | None = None
                 ) -> tuple[dict[str, Probe] | None, dict[str, Any] | None,
                            dict[str, Any] | None]:
-    """This rank's share of the quantized weights' probes (:func:`probe_range`: by written
-    order), after ModelOpt's steps before it quantizes (:func:`_ready`, which :func:`prepare`
-    given these probes then skips; ``pre_quant`` as there); None for a model ModelOpt did not
+    """This rank's share of the quantized weights' probes (:func:`probe_range`, of the
+    weights grouped by weight quantizer in written order: :func:`_by_quantizer`), after
+    ModelOpt's steps before it quantizes (:func:`_ready`, which :func:`prepare` given
+    these probes then skips; ``pre_quant`` as there); None for a model ModelOpt did not
     quantize. Each rank of an export computes its share and every rank gets them all: a
     probe costs a few hundred microseconds of ModelOpt's Python per weight, and a MoE has one
     weight per expert and projection (18k for 48 layers of 128 experts). Returned beside
@@ -461,15 +482,28 @@ def probe_share(model: nn.Module, state_of: Callable[[], dict[str, Any]], index:
     state = state_of()
     held = _held(state)
     units = _units(model, sources, held, None)
-    first, end = probe_range(index, count, len(units), len(sources))
-    probes = {w.key: _probe(w, unit, held[w.parts[0].source][0], dtype)
-              for w, unit in units[first:end]}
+    groups = _by_quantizer(units)
+    first, end = probe_range(index, count, len(groups), len(sources))
+    asked: dict[tuple, Probe] = {}
+    probes = {w.key: _probe_once(w, unit, held[w.parts[0].source][0], dtype, asked)
+              for group in groups[first:end] for w, unit in group}
     config = None
     if index == count - 1:
         from modelopt.torch.export.quant_utils import get_quant_config
 
         config = get_quant_config(model)
     return probes, state, config
+
+
+def _by_quantizer(units: list[tuple[_keys.Written, _Unit]]
+                  ) -> list[list[tuple[_keys.Written, _Unit]]]:
+    """The units grouped by their weight quantizer, in the order each first comes: a group
+    is probed by one rank, so that weights that may share a probe (:func:`_probe_once`: a
+    gated expert's gate and up projections, written far apart) are probed together."""
+    groups: dict[int, list[tuple[_keys.Written, _Unit]]] = {}
+    for w, unit in units:
+        groups.setdefault(id(unit.weight_quantizer), []).append((w, unit))
+    return list(groups.values())
 
 
 # What asking ModelOpt's quantization config costs (the last rank asks it), in probes: a
@@ -480,14 +514,14 @@ _CONFIG_IN_PROBES = (40.0, 0.3)
 
 
 def probe_range(index: int, count: int, weights: int, sources: int) -> tuple[int, int]:
-    """The quantized weights (``first, end`` among ``weights`` in the written order) whose
-    probes group rank ``index`` of ``count`` makes: consecutive shares of the same work,
-    the last rank's smaller by what ModelOpt's quantization config costs it
-    (:data:`_CONFIG_IN_PROBES`, for a model of ``sources`` quantized modules). The same on
-    every rank that holds the same keys. Why not equal shares: a rank that asks the config
-    while its peers probe would finish last (a dense Llama), and one that takes a share
-    less for it would finish first while they probe (a MoE, whose config is cheap beside
-    its thousands of weights)."""
+    """The quantized weights' groups (``first, end`` among ``weights`` groups,
+    :func:`_by_quantizer`) whose probes group rank ``index`` of ``count`` makes: consecutive
+    shares of the same work, the last rank's smaller by what ModelOpt's quantization config
+    costs it (:data:`_CONFIG_IN_PROBES`, for a model of ``sources`` quantized modules). The
+    same on every rank that holds the same keys. Why not equal shares: a rank that asks the
+    config while its peers probe would finish last (a dense Llama), and one that takes a share
+    less for it would finish first while they probe (a MoE, whose config is cheap beside its
+    thousands of weights)."""
     if count == 1:
         return 0, weights
     fixed, per_source = _CONFIG_IN_PROBES
@@ -532,11 +566,12 @@ def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = Non
     digest: list[tuple] = []
     extra: dict[str, torch.Tensor] = {}
     fasts: list[RowsFn | None] = []
+    asked: dict[tuple, Probe] = {}
     for w, unit in _units(model, sources, held, converts):
         weight_dtype = held[w.parts[0].source][0]
         probe = None if probes is None else probes.get(w.key)
         if probe is None:
-            probe = _probe(w, unit, weight_dtype, dtype)
+            probe = _probe_once(w, unit, weight_dtype, dtype, asked)
         fasts.append(_plan_unit(w, unit, weight_dtype, dtype, probe, out, extra, digest))
     keep_tables_for(fasts)
     if quant_config is None:
@@ -625,6 +660,24 @@ def _probe(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torc
     return ([(k, v.dtype, tuple(v.shape), None if k in per_row else
               v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
              for k, v in one.items()], list(per_row))
+
+
+def _probe_once(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype,
+                asked: dict[tuple, Probe]) -> Probe:
+    """:func:`_probe`, or the probe already made in this export (``asked``) of a weight
+    whose stand-in is the same: the same quantizer objects, rows cut alike from their
+    buffers (no per-row buffer: the rows' place does not matter), the same shape and dtypes.
+    A gated expert's gate and up projections share one weight quantizer (a third of a MoE's
+    probes). The quantizers are alive for the export, so their ids are not reused in it."""
+    wq = unit.weight_quantizer
+    per_row = any(isinstance(b, torch.Tensor) and b.dim() > 0 and b.numel() > 1
+                  and b.shape[0] % unit.total == 0 for b in wq.buffers(recurse=False))
+    key = (id(wq), id(unit.input_quantizer), id(unit.output_quantizer), unit.fmt,
+           unit.total, unit.first if per_row else None, tuple(w.shape), weight_dtype, dtype)
+    probe = asked.get(key)
+    if probe is None:
+        probe = asked[key] = _probe(w, unit, weight_dtype, dtype)
+    return probe
 
 
 def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torch.dtype,
