@@ -137,8 +137,11 @@ class _Traced(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
+        name = getattr(func, "__name__", None) or repr(func)
+        if not kwargs and args and type(args[0]) is cls and not any(
+                isinstance(a, (torch.Tensor, list, tuple, dict)) for a in args[1:]):
+            return cls._one(func, name, args)
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", repr(func))
         traced = [a for a in _flat(args) if isinstance(a, _Traced)]
         first = traced[0] if traced else None
         with torch._C.DisableTorchFunctionSubclass():
@@ -155,6 +158,27 @@ class _Traced(torch.Tensor):
         if bad is None and first is not None and first._parts is not None:
             bad = f"{name} of a concatenation"
         if bad is None and (len(traced) != 1 or not _all_views_of(out, _unwrap(first))):
+            bad = name
+        return _wrap(out, first, bad)
+
+
+    @classmethod
+    def _one(cls, func: Any, name: str, args: tuple) -> Any:
+        """:meth:`__torch_function__` of a call on one traced tensor with plain arguments
+        (``.shape``, ``.dim()``, ``.squeeze(0)``: a MoE's reverted experts make thousands):
+        the same answer, without walking the arguments."""
+        first = args[0]
+        if name in _SAME_VALUES and _keeps_dtype(func, args, {}):
+            return first
+        with torch._C.DisableTorchFunctionSubclass():
+            base = first.as_subclass(torch.Tensor)
+            out = func(base, *args[1:])
+        if not isinstance(out, torch.Tensor) and not _has_tensor(out):
+            return out
+        bad = first._bad
+        if bad is None and first._parts is not None:
+            bad = f"{name} of a concatenation"
+        if bad is None and not _all_views_of(out, base):
             bad = name
         return _wrap(out, first, bad)
 
@@ -232,15 +256,16 @@ def _concat(name: str, args: Any, kwargs: Any, out: torch.Tensor) -> _Traced:
 
 
 def _parts_of(value: _Traced) -> tuple[list[Part], str | None]:
-    pieces = value._parts if value._parts is not None else [((0,) * value.dim(), value)]
-    parts = []
-    for at, view in pieces:
-        if view._bad:
-            return [], view._bad
-        box = box_of(view.as_subclass(torch.Tensor), view._src_shape)
-        if box is None or view._source is None:
-            return [], "a reshape that is not a box of the in-memory tensor"
-        parts.append(Part(view._source, at, tuple(view.shape), *box))
+    with torch._C.DisableTorchFunctionSubclass():  # (its shape read as a plain tensor's)
+        pieces = value._parts if value._parts is not None else [((0,) * value.dim(), value)]
+        parts = []
+        for at, view in pieces:
+            if view._bad:
+                return [], view._bad
+            box = box_of(view, view._src_shape)
+            if box is None or view._source is None:
+                return [], "a reshape that is not a box of the in-memory tensor"
+            parts.append(Part(view._source, at, tuple(view.shape), *box))
     return parts, None
 
 
@@ -372,7 +397,9 @@ def _traced_revert(model: Any, held: dict[str, tuple[torch.dtype, tuple[int, ...
                                f"a conversion that made a {type(value).__name__}"))
             continue
         parts, bad = _parts_of(value)
-        out.append(Written(key, value.dtype, tuple(value.shape), tuple(parts), bad))
+        with torch._C.DisableTorchFunctionSubclass():
+            dtype, shape = value.dtype, tuple(value.shape)
+        out.append(Written(key, dtype, shape, tuple(parts), bad))
     return out
 
 
