@@ -161,7 +161,6 @@ class _Traced(torch.Tensor):
             bad = name
         return _wrap(out, first, bad)
 
-
     @classmethod
     def _one(cls, func: Any, name: str, args: tuple) -> Any:
         """:meth:`__torch_function__` of a call on one traced tensor with plain arguments
