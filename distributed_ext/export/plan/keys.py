@@ -138,18 +138,21 @@ class _Traced(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         name = getattr(func, "__name__", None) or repr(func)
-        if not kwargs and args and type(args[0]) is cls and not any(
-                isinstance(a, (torch.Tensor, list, tuple, dict)) for a in args[1:]):
-            return cls._one(func, name, args)
         kwargs = kwargs or {}
-        traced = [a for a in _flat(args) if isinstance(a, _Traced)]
+        # A call on one stand-in with plain arguments (``.shape``, ``.dim()``, ``.squeeze(0)``:
+        # a MoE's reverted experts make thousands) is answered without walking them.
+        alone = not kwargs and args and type(args[0]) is cls and not any(
+            isinstance(a, (torch.Tensor, list, tuple, dict)) for a in args[1:])
+        traced = [args[0]] if alone else [a for a in _flat(args) if isinstance(a, _Traced)]
         first = traced[0] if traced else None
         with torch._C.DisableTorchFunctionSubclass():
-            plain_args = _unwrap(args)
-            plain_kwargs = _unwrap(kwargs)
             if name in _SAME_VALUES and first is not None and _keeps_dtype(func, args, kwargs):
                 return first  # the same values: still the same view
-            out = func(*plain_args, **plain_kwargs)
+            base = None if first is None else first.as_subclass(torch.Tensor)
+            if alone:
+                out = func(base, *args[1:])
+            else:
+                out = func(*_unwrap(args), **_unwrap(kwargs))
         if not _has_tensor(out):
             return out  # .shape, .size(), .dim(), .dtype...
         if name in ("cat", "concat", "concatenate", "stack"):
@@ -157,27 +160,7 @@ class _Traced(torch.Tensor):
         bad = next((t._bad for t in traced if t._bad), None)
         if bad is None and first is not None and first._parts is not None:
             bad = f"{name} of a concatenation"
-        if bad is None and (len(traced) != 1 or not _all_views_of(out, _unwrap(first))):
-            bad = name
-        return _wrap(out, first, bad)
-
-    @classmethod
-    def _one(cls, func: Any, name: str, args: tuple) -> Any:
-        """:meth:`__torch_function__` of a call on one traced tensor with plain arguments
-        (``.shape``, ``.dim()``, ``.squeeze(0)``: a MoE's reverted experts make thousands):
-        the same answer, without walking the arguments."""
-        first = args[0]
-        if name in _SAME_VALUES and _keeps_dtype(func, args, {}):
-            return first
-        with torch._C.DisableTorchFunctionSubclass():
-            base = first.as_subclass(torch.Tensor)
-            out = func(base, *args[1:])
-        if not isinstance(out, torch.Tensor) and not _has_tensor(out):
-            return out
-        bad = first._bad
-        if bad is None and first._parts is not None:
-            bad = f"{name} of a concatenation"
-        if bad is None and not _all_views_of(out, base):
+        if bad is None and (len(traced) != 1 or not _all_views_of(out, base)):
             bad = name
         return _wrap(out, first, bad)
 
