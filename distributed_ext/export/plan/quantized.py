@@ -174,10 +174,16 @@ def export_dtype(model: nn.Module) -> torch.dtype:
     return first.dtype if first is not None else torch.float16
 
 
+def _by_rows(buf: torch.Tensor, total: int) -> bool:
+    """Whether a quantizer's buffer is per row or per row block of a weight of ``total``
+    rows (an amax of ``total * k`` rows, row-major): :func:`_cut` cuts it by rows."""
+    return buf.dim() > 0 and buf.numel() != 1 and buf.shape[0] % total == 0
+
+
 def _cut(buf: torch.Tensor, first: int, n: int, total: int, repeat: int) -> torch.Tensor:
-    """Rows ``first .. first + n`` (of ``total``) of a per-row or per-row-block buffer (an
-    amax of ``total * k`` rows, row-major), ``repeat`` times over; a per-tensor one as it is."""
-    if buf.dim() == 0 or buf.numel() == 1 or buf.shape[0] % total:
+    """Rows ``first .. first + n`` (of ``total``) of a per-row or per-row-block buffer
+    (:func:`_by_rows`), ``repeat`` times over; a per-tensor one as it is."""
+    if not _by_rows(buf, total):
         return buf
     k = buf.shape[0] // total
     cut = buf[first * k : (first + n) * k]
@@ -670,8 +676,8 @@ def _probe_once(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype:
     A gated expert's gate and up projections share one weight quantizer (a third of a MoE's
     probes). The quantizers are alive for the export, so their ids are not reused in it."""
     wq = unit.weight_quantizer
-    per_row = any(isinstance(b, torch.Tensor) and b.dim() > 0 and b.numel() > 1
-                  and b.shape[0] % unit.total == 0 for b in wq.buffers(recurse=False))
+    per_row = any(isinstance(b, torch.Tensor) and _by_rows(b, unit.total)
+                  for b in wq.buffers(recurse=False))
     key = (id(wq), id(unit.input_quantizer), id(unit.output_quantizer), unit.fmt,
            unit.total, unit.first if per_row else None, tuple(w.shape), weight_dtype, dtype)
     probe = asked.get(key)
