@@ -108,6 +108,33 @@ def test_the_header_is_the_json_safetensors_writes():
     assert offsets["a.b"] == len(head)
 
 
+def test_whole_block_tensors_come_first_and_the_data_starts_at_a_block(tmp_path):
+    # Tensors of whole 4 KiB blocks first, the odd-sized (and empty) ones after them, each
+    # group in order; the header padded so that the data starts at a block boundary; the
+    # file reads back as safetensors with every tensor at its offsets.
+    from safetensors import safe_open
+
+    specs = [("scale", torch.float32, ()), ("w1", torch.bfloat16, (4, 1024)),
+             ("norm", torch.bfloat16, (300,)), ("empty", torch.float32, (0,)),
+             ("w2", torch.float32, (2, 1024))]
+    entries = [E.Entry(k, d, s, index=i) for i, (k, d, s) in enumerate(specs)]
+    head, offsets = E.safetensors_header(entries)
+    assert len(head) % 4096 == 0 and int.from_bytes(head[:8], "little") == len(head) - 8
+    assert [offsets[k] - len(head) for k in ("w1", "w2", "scale", "norm", "empty")] == \
+        [0, 8192, 16384, 16388, 16988]
+    g = torch.Generator().manual_seed(0)
+    values = {k: torch.randn(s, generator=g).to(d) for k, d, s in specs}
+    data = bytearray(head) + bytearray(16988)
+    for e in entries:
+        raw = values[e.key].reshape(-1).view(torch.uint8).numpy().tobytes()
+        data[offsets[e.key] : offsets[e.key] + len(raw)] = raw
+    (tmp_path / "m.safetensors").write_bytes(bytes(data))
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(values)
+        for k, v in values.items():
+            assert torch.equal(f.get_tensor(k), v), k
+
+
 def _described_refusals():
     from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 

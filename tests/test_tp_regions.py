@@ -226,10 +226,11 @@ def test_tp_rows_down_to_the_short_run_threshold_are_written_where_they_are_held
         assert not blocks[a] & blocks[b], (a, b, sorted(blocks[a] & blocks[b])[:5])
     assert len(set().union(*blocks)) == -(-len(data) // 4096)  # every block written
     # Every rank writes a part: the long TP rows' blocks are spread over their holders
-    # (with "dst", the others write nothing).
+    # (with "dst", the others write nothing). These rows tie two ranks in most blocks
+    # (the data starts at a block boundary): a tie is dst's, else taken by turns.
     wrote_all = [got["all"][1] for got, _full in values]
     wrote_dst = [got["dst"][1] for got, _full in values]
-    assert min(wrote_all[1:]) > len(data) // (3 * world), wrote_all
+    assert min(wrote_all[1:]) > len(data) // (5 * world), wrote_all
     assert max(wrote_dst[1:]) == 0 and wrote_dst[0] >= len(data), wrote_dst
     got = read_checkpoint(tmp_path / "all")
     for k, v in values[0][1].items():

@@ -5,7 +5,7 @@ cover in part (where one rank's run ends and another's begins; with a ``SHORT_RU
 a block, several short runs) is shared, and its bytes -- the *fragments* of
 :func:`~plan.messages.edge_table`, under a block each -- must be written
 by one rank. The owner of a shared block is the rank that holds most of its bytes (ties:
-dst, then the lowest rank), so that the fewest bytes move; a block that also holds bytes
+dst, then the ranks by turns, block by block), so that the fewest bytes move; a block that also holds bytes
 dst writes anyway -- the file's header, or short runs (under ``SHORT_RUN``: small tensors,
 the partial blocks at a TP tensor's ends; :mod:`plan.tp_regions`), which dst assembles into regions
 -- is dst's. The others send the owner their fragments there.
@@ -205,11 +205,14 @@ def plan_owners(fragments: list[torch.Tensor], file_of: torch.Tensor, bases: tor
     size_of = torch.tensor(sizes, dtype=torch.int64)[fid[first]]
     start = block[first] * align
     rest = torch.clamp(size_of - start, max=align) - total
-    # Bytes per (block, rank); the owner: most bytes, then dst, then the lowest rank.
+    # Bytes per (block, rank); the owner: most bytes, then dst, then the ranks by turns (the
+    # first at or after the block's number, mod the world: a layout whose blocks tie the
+    # same ranks every time -- aligned TP rows -- spreads them over the tied ranks).
     pairs, pair_of = torch.unique(which * world + rank, return_inverse=True)
     held = torch.zeros(len(pairs), dtype=torch.int64).index_add_(0, pair_of, n)
     pair_block, pair_rank = pairs // world, pairs % world
-    tiebreak = torch.where(pair_rank == dst_rank, 0, pair_rank + 1)
+    turn = torch.remainder(pair_rank - block[first][pair_block], world)
+    tiebreak = torch.where(pair_rank == dst_rank, 0, turn + 1)
     score = held * (world + 2) + (world + 1 - tiebreak)
     best = torch.zeros(len(blocks), dtype=torch.int64).scatter_reduce_(
         0, pair_block, score, "amax", include_self=False)

@@ -193,12 +193,16 @@ def resolve_owners(plan: EdgePlan, ctx: _agree.GroupContext, dst_rank: int, layo
             mine = order[first : first + n]  # the fragments this rank dealt to rank r
             first += n
             # Checked per rank that planned them, so that the error names it.
-            try:
-                _owners.check_tables(d, t, rows[mine], me, world, nbytes, file_of, bases,
-                                     _direct_io.ALIGN, any_block=me == dst_rank)
-            except ValueError as exc:
-                faults.append(f"the owners of shared blocks planned by rank {ctx.ranks[r]} "
-                              f"are malformed: {exc}")
+            if n and not len(t) and bool((d == -1).all()):  # (its answer after a failure)
+                faults.append(f"rank {ctx.ranks[r]} failed to plan the owners of the shared "
+                              "blocks dealt to it (it raises its own error)")
+            else:
+                try:
+                    _owners.check_tables(d, t, rows[mine], me, world, nbytes, file_of, bases,
+                                         _direct_io.ALIGN, any_block=me == dst_rank)
+                except ValueError as exc:
+                    faults.append(f"the owners of shared blocks planned by rank "
+                                  f"{ctx.ranks[r]} are malformed: {exc}")
             mine_dests[mine] = d
             parts.append(t)
         # Grouped by sender in rank order, each sender's in its send order (canonical).
