@@ -8,6 +8,7 @@ import re
 
 import torch
 
+from distributed_ext._direct_io import ALIGN
 from distributed_ext.export.plan.types import Entry
 
 # What safetensors stores (its dtype names); anything else is refused before bytes move.
@@ -79,9 +80,9 @@ def layout_files(entries: list[Entry], max_shard: int) -> list[list[Entry]]:
 _json_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
 
-# The file's block: the data starts at a multiple of it (the header padded with spaces, as
-# safetensors pads it to 8 bytes), and tensors of whole blocks come first.
-DATA_ALIGN = 4096
+# The file's block (the direct writes' unit): the data starts at a multiple of it (the header
+# padded with spaces, as safetensors pads it to 8 bytes), and tensors of whole blocks come first.
+DATA_ALIGN = ALIGN
 
 
 def _laid_out(entries: list[Entry]) -> list[Entry]:
