@@ -5,8 +5,8 @@ cover in part (where one rank's run ends and another's begins; with a ``SHORT_RU
 a block, several short runs) is shared, and its bytes -- the *fragments* of
 :func:`~plan.messages.edge_table`, under a block each -- must be written
 by one rank. The owner of a shared block is the rank that holds most of its bytes (ties:
-dst, then the ranks by turns, block by block), so that the fewest bytes move; a block that also holds bytes
-dst writes anyway -- the file's header, or short runs (under ``SHORT_RUN``: small tensors,
+dst, then the ranks by turns, block by block), so that the fewest bytes move; a block that
+also holds bytes dst writes anyway -- the file's header, or short runs (under ``SHORT_RUN``: small tensors,
 the partial blocks at a TP tensor's ends; :mod:`plan.tp_regions`), which dst assembles into regions
 -- is dst's. The others send the owner their fragments there.
 

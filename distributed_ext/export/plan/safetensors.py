@@ -89,9 +89,9 @@ def _laid_out(entries: list[Entry]) -> list[Entry]:
     """``entries`` in the order their data is laid out: those of whole blocks
     (:data:`DATA_ALIGN`) first, then the rest, each in order.
 
-    Why: every tensor then starts at a block boundary but the small odd-sized ones (scales,
-    biases, norms), which go last together, and so does each rank's share of an evenly
-    split tensor. A block that two ranks' runs share is written by its owner from their
+    Why: every tensor then starts at a block boundary, but for the small odd-sized ones
+    (scales, biases, norms) that go last together; so does each rank's share of a tensor
+    split evenly in whole blocks. A block that two ranks' runs share is written by its owner from their
     fragments (``writers="all"``), through the page cache; a 1 GiB FP8 Llama laid out in
     key order, its scales between its weights, shared ~250 blocks a rank (each a stall of
     the disk's direct writes: ``files.regions``). Readers find tensors by their offsets
