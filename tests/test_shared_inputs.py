@@ -8,6 +8,7 @@ per group: the positive control); a failure on one rank leaves every rank's mode
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import warnings
@@ -157,3 +158,61 @@ def test_a_failed_fusing_is_raised_on_every_rank_and_changes_no_model(tmp_path):
         assert "out of memory in the fusing" in outcome[1], outcome
         assert not changed, (rank, changed)
         assert not written, rank
+
+
+class _TwoHeads(torch.nn.Module):
+    """Two linears on different inputs, sharing one weight object (undeclared: no tie map),
+    with a third of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32, bias=False)
+        self.b = torch.nn.Linear(32, 32, bias=False)
+        self.b.weight = self.a.weight
+        self.c = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(4 * x) + self.c(x)
+
+
+def _input_amax(model) -> dict[str, float]:
+    return {n: float(getattr(model, n).input_quantizer.amax) for n in ("a", "b", "c")}
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_tied_input_amax_merged_as_modelopt_merges_it(shared, monkeypatch):
+    # ModelOpt's export merges the input amax of modules that share a weight; ours calls
+    # its function where some parameter is registered twice (or a tie is declared), and
+    # skips its walk where none is: the amax then as ModelOpt's leaves them either way.
+    warnings.filterwarnings("ignore")
+    import modelopt.torch.export.quant_utils as qu
+    import modelopt.torch.quantization as mtq
+
+    from distributed_ext.export.plan import shared_inputs
+
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    if not shared:
+        model.b.weight = torch.nn.Parameter(model.a.weight.detach().clone())
+    batch = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    mtq.quantize(model, mtq.FP8_DEFAULT_CFG, lambda m: m(batch))
+    before = _input_amax(model)
+    assert before["b"] > 3 * before["a"], before  # (b's input is 4x a's)
+    theirs = [0]
+    real = qu.sync_tied_input_amax
+
+    def counted(*args, **kwargs):
+        theirs[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qu, "sync_tied_input_amax", counted)
+    reference = copy.deepcopy(model)
+    real(reference)  # ModelOpt's own, always
+    expected = _input_amax(reference)
+    shared_inputs.sync_amax(model, torch.float32)
+    assert _input_amax(model) == expected
+    assert theirs[0] == (1 if shared else 0)
+    if shared:
+        assert expected["a"] == expected["b"] == before["b"] and expected["c"] == before["c"]
+    else:
+        assert expected == before

@@ -463,4 +463,20 @@ def sync_amax(model: nn.Module, dtype: torch.dtype) -> None:
 
     _prepare_moe_inputs(model, dtype, False)
     sync_moe_gate_up_amax(model)
-    sync_tied_input_amax(model, TiedWeightMap(model))
+    tied = TiedWeightMap(model)
+    # ModelOpt merges the input amax of modules that share a weight, declared tied (its
+    # map) or the same parameter object; with neither it changes nothing, and its walk of
+    # every module costs 0.02-0.03 s a call for a 1 GiB Llama, on every rank.
+    if tied.alias_to_canonical or _shares_a_parameter(model):
+        sync_tied_input_amax(model, tied)
+
+
+def _shares_a_parameter(model: nn.Module) -> bool:
+    """Whether some parameter object is registered under two names (a weight two modules
+    share, declared or not)."""
+    seen: set[int] = set()
+    for _name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            return True
+        seen.add(id(p))
+    return False
