@@ -203,7 +203,8 @@ def plan_owners(fragments: list[torch.Tensor], file_of: torch.Tensor, bases: tor
     # dst's.
     first = torch.zeros(len(blocks), dtype=torch.int64).scatter_(0, which, torch.arange(len(key)))
     size_of = torch.tensor(sizes, dtype=torch.int64)[fid[first]]
-    start = block[first] * align
+    number = block[first]  # each block's number in its file
+    start = number * align
     rest = torch.clamp(size_of - start, max=align) - total
     # Bytes per (block, rank); the owner: most bytes, then dst, then the ranks by turns (the
     # first at or after the block's number, mod the world: a layout whose blocks tie the
@@ -211,7 +212,7 @@ def plan_owners(fragments: list[torch.Tensor], file_of: torch.Tensor, bases: tor
     pairs, pair_of = torch.unique(which * world + rank, return_inverse=True)
     held = torch.zeros(len(pairs), dtype=torch.int64).index_add_(0, pair_of, n)
     pair_block, pair_rank = pairs // world, pairs % world
-    turn = torch.remainder(pair_rank - block[first][pair_block], world)
+    turn = torch.remainder(pair_rank - number[pair_block], world)
     tiebreak = torch.where(pair_rank == dst_rank, 0, turn + 1)
     score = held * (world + 2) + (world + 1 - tiebreak)
     best = torch.zeros(len(blocks), dtype=torch.int64).scatter_reduce_(

@@ -91,15 +91,16 @@ def _laid_out(entries: list[Entry]) -> list[Entry]:
 
     Why: every tensor then starts at a block boundary, but for the small odd-sized ones
     (scales, biases, norms) that go last together; so does each rank's share of a tensor
-    split evenly in whole blocks. A block that two ranks' runs share is written by its owner from their
-    fragments (``writers="all"``), through the page cache; a 1 GiB FP8 Llama laid out in
-    key order, its scales between its weights, shared ~250 blocks a rank (each a stall of
-    the disk's direct writes: ``files.regions``). Readers find tensors by their offsets
-    (safetensors' own writer orders them by dtype)."""
-    whole = [e for e in entries if e.nbytes and e.nbytes % DATA_ALIGN == 0]
-    if len(whole) in (0, len(entries)):
-        return list(entries)
-    return whole + [e for e in entries if not (e.nbytes and e.nbytes % DATA_ALIGN == 0)]
+    split evenly in whole blocks. A block that two ranks' runs share is written by its
+    owner from their fragments (``writers="all"``), through the page cache; a 1 GiB FP8
+    Llama laid out in key order, its scales between its weights, shared ~250 blocks a rank
+    (each a stall of the disk's direct writes: ``files.regions``). Readers find tensors by
+    their offsets (safetensors' own writer orders them by dtype)."""
+    whole: list[Entry] = []
+    rest: list[Entry] = []
+    for e in entries:
+        (whole if e.nbytes and e.nbytes % DATA_ALIGN == 0 else rest).append(e)
+    return whole + rest
 
 
 def safetensors_header(entries: list[Entry]) -> tuple[bytes, dict[str, int]]:
