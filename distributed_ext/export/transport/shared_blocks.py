@@ -57,6 +57,9 @@ def round_cap(chunk: int) -> int:
     return min(chunk, ROUND_BYTES)
 
 
+# The destination of every fragment in the answer of a rank whose planning failed (no rank).
+_FAILED = -1
+
 # Plans whose buffers a transport may still use after a peer failed: never freed.
 _ABANDONED: list[Any] = []
 
@@ -165,7 +168,7 @@ def resolve_owners(plan: EdgePlan, ctx: _agree.GroupContext, dst_rank: int, layo
         except Exception as exc:  # noqa: BLE001 - raised once every rank has its answer
             # This rank still answers (every destination -1, no receipt), so that no peer
             # waits on it in the collectives below; it raises after them.
-            dests = [torch.full((n,), -1, dtype=torch.int64) for n in counts.tolist()]
+            dests = [torch.full((n,), _FAILED, dtype=torch.int64) for n in counts.tolist()]
             receipts = [torch.empty((0, 4), dtype=torch.int64)] * world
             fault, failed = None, exc
         else:
@@ -193,7 +196,7 @@ def resolve_owners(plan: EdgePlan, ctx: _agree.GroupContext, dst_rank: int, layo
             mine = order[first : first + n]  # the fragments this rank dealt to rank r
             first += n
             # Checked per rank that planned them, so that the error names it.
-            if n and not len(t) and bool((d == -1).all()):  # (its answer after a failure)
+            if n and not len(t) and bool((d == _FAILED).all()):  # (its answer after a failure)
                 faults.append(f"rank {ctx.ranks[r]} failed to plan the owners of the shared "
                               "blocks dealt to it (it raises its own error)")
             else:
