@@ -30,6 +30,14 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to RESULTS/NAME.log, record the
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
   nvcc --version 2>&1 | tail -1
 } >"$RESULTS/summary.txt"
+# Wheels carried in `.whl` (benchmarks/gpu_wheels.sh: ModelOpt and its needs, which the
+# image lacks): without them the quantized tests skip.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$RESULTS/wheels.log" 2>&1 \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  echo "wheels: $(ls .whl | wc -l) carried, PYTHONPATH=${PYTHONPATH:-}" >>"$RESULTS/summary.txt"
+fi
 # GPU_CHECK_SKIP_BUILD=1: use the installed build (a dry run of the other steps on a CPU).
 if [ "${GPU_CHECK_SKIP_BUILD:-0}" != 1 ]; then
   step build 420 env DISTRIBUTED_EXT_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -e . \

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from harness import assert_all_ok, rss_growth_during, run_ranks
+from harness import assert_all_ok, nccl_group_of_one, rss_growth_during, run_ranks
 
 # (found, not imported: a rank imports this module, and ModelOpt must not be loaded before
 # the test's own code decides how)
@@ -39,17 +39,19 @@ MOE_DIMS = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64
 ODD_DIMS = {**DIMS, "intermediate_size": 896}
 
 
-def _quantized(family: str, fmt: str, dims: dict | None = None):
+def _quantized(family: str, fmt: str, dims: dict | None = None, device: str = "cpu"):
     """A tiny model of ``family`` in bf16, quantized by ModelOpt's own ``mtq.quantize`` (the
-    same weights and calibration batch in every process; 128 tokens reach every expert)."""
+    same weights and calibration batch in every process; 128 tokens reach every expert),
+    calibrated on ``device`` (where it then lives)."""
     warnings.filterwarnings("ignore")
     import modelopt.torch.quantization as mtq
 
     dims = dims or (DIMS if family == "llama" else MOE_DIMS)
     model = hf_models.build(family, 0, dtype=torch.bfloat16, **dims).to(torch.bfloat16)
+    model = model.to(device)
     model.config.architectures = [type(model).__name__]
     batch = torch.randint(0, 130, (4, 32), generator=torch.Generator().manual_seed(1))
-    mtq.quantize(model, _config(fmt), lambda m: m(batch))
+    mtq.quantize(model, _config(fmt), lambda m: m(batch.to(device)))
     return model
 
 
@@ -247,6 +249,62 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, r
             assert "mlp.gate_proj (int4_awq)" in odd[1] and "rows 0..299" in odd[1], odd[1]
             assert "multiple of 2" in odd[1], odd[1]
             assert not odd[2], odd  # nothing written
+
+
+GPU_FORMATS = ["FP8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN_CFG", "NVFP4_DEFAULT_CFG",
+               "INT4_AWQ_CFG"]
+_HOST_KERNELS = ("fp8_divide", "map_through_table", "nvfp4_rows", "nvfp4_scales", "int4_rows")
+
+
+def _gpu_exports(base: str, fmts: list[str]) -> list[str]:
+    """At NCCL world 1, for each format: ModelOpt's own export of the Llama calibrated on
+    the GPU, then ours of the same model, FSDP2 on the GPU. Returns the host kernels the
+    export called (none should run: a GPU's rows are quantized on the GPU)."""
+    from modelopt.torch.export import export_hf_checkpoint
+
+    import distributed_ext as dx
+    from distributed_ext.export.plan import row_kernels
+
+    called: list[str] = []
+    for name in _HOST_KERNELS:
+        real = getattr(row_kernels, name)
+        setattr(row_kernels, name,
+                lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k))
+    # ModelOpt compiles its CUDA fake-quant extensions on first use (minutes of a lent GPU's
+    # time): its torch fallbacks calibrate instead, the reference and ours alike.
+    from modelopt.torch.quantization import extensions
+
+    for get in (extensions.get_cuda_ext, extensions.get_cuda_ext_fp8, extensions.get_cuda_ext_mx):
+        get.extension = None
+    torch.cuda.set_device(0)
+    with nccl_group_of_one(os.path.join(base, "group")):
+        for fmt in fmts:
+            export_hf_checkpoint(_quantized("llama", fmt, device="cuda"), dtype=torch.bfloat16,
+                                 export_dir=os.path.join(base, "ref", fmt))
+            model = _quantized("llama", fmt, device="cuda")
+            dx.fsdp2_wrap(model)
+            dx.export_hf_checkpoint(model, os.path.join(base, "ours", fmt))
+    return called
+
+
+@pytest.mark.cuda
+def test_a_gpu_calibrated_model_is_quantized_on_the_gpu_as_modelopt_exports_it(tmp_path):
+    # The compiled core's row kernels take host rows: a GPU's rows are computed there by
+    # ModelOpt's own arithmetic (its probes too, beside the quantizers' GPU buffers), then
+    # cross to the host as quantized bytes.
+    base = str(tmp_path)
+    (called,) = assert_all_ok(run_ranks(_gpu_exports, 1, base, GPU_FORMATS, init=False,
+                                        timeout=400))
+    assert called == [], called
+    for fmt in GPU_FORMATS:
+        ref_dir, our_dir = os.path.join(base, "ref", fmt), os.path.join(base, "ours", fmt)
+        ref, ours = hf_models.read_checkpoint(ref_dir), hf_models.read_checkpoint(our_dir)
+        assert sorted(ours) == sorted(ref), (fmt, sorted(set(ours) ^ set(ref)))
+        assert not [k for k in ref if not _same_bytes(ref[k], ours[k])], fmt
+        assert ours["model.layers.0.mlp.down_proj.weight"].dtype != torch.bfloat16, fmt
+        for name in ("hf_quant_config.json", "config.json"):
+            with open(os.path.join(ref_dir, name)) as f, open(os.path.join(our_dir, name)) as g:
+                assert json.load(g) == json.load(f), (fmt, name)
 
 
 # One layer of a 2048 x 16384 MLP in bf16: 0.2 GB of weights, 0.1 GB a rank at world 2; the

@@ -19,6 +19,11 @@ small plain tensor, or *per row* (the weight, per-channel and per-block scales):
 by the rank that holds them. Which is which, and the written shapes, come from ModelOpt's
 export of two and four row blocks of ones.
 
+The rows are computed on the device their quantizers live on (:func:`device_of`): a host
+weight's by the compiled core where it gives ModelOpt's bytes (:mod:`plan.row_kernels`), a
+GPU's by ModelOpt's own arithmetic there, the quantized bytes then crossing to the host
+(half or less of the rows' bytes) as any GPU-resident bytes do.
+
 ModelOpt is imported only for a model that has its quantizers (it is then already loaded).
 """
 
@@ -190,9 +195,25 @@ def _cut(buf: torch.Tensor, first: int, n: int, total: int, repeat: int) -> torc
     return torch.cat([cut] * repeat) if repeat > 1 else cut
 
 
+def device_of(unit: _Unit) -> torch.device:
+    """Where ModelOpt's arithmetic of a unit's rows runs: on its weight quantizer's device
+    (where its calibration results live: the GPU of a model calibrated there), the host
+    where the quantizer holds no tensor. Rows held elsewhere (FSDP2's CPU offload keeps the
+    weights on the host, the quantizers' buffers on the GPU) are moved there first, as
+    ModelOpt's own arithmetic would refuse them beside its amax."""
+    for buf in unit.weight_quantizer.buffers(recurse=False):
+        if isinstance(buf, torch.Tensor):
+            return buf.device
+    return torch.device("cpu")
+
+
 def _stand_in(unit: _Unit, rows: torch.Tensor, first: int, repeat: int) -> nn.Module:
-    """``rows`` (``repeat`` times over) and copies of the unit's quantizers -- the weight
-    quantizer's per-row buffers cut to those rows -- as ModelOpt's export reads a linear."""
+    """``rows`` (``repeat`` times over; on the unit's device, :func:`device_of`) and copies
+    of the unit's quantizers -- the weight quantizer's per-row buffers cut to those rows --
+    as ModelOpt's export reads a linear."""
+    device = device_of(unit)
+    if rows.device != device:
+        rows = rows.to(device)
     s = nn.Module()
     n = rows.shape[0]
     s.weight = nn.Parameter(rows.repeat(repeat, *(1,) * (rows.dim() - 1)) if repeat > 1
@@ -263,7 +284,9 @@ class _RowsOf:
                  kept: tuple[str, ...], fast: RowsFn | None) -> None:
         self.unit, self.suffix, self.dtype, self.token, self.kept = (unit, suffix, dtype,
                                                                      token, kept)
-        self.fast = fast  # the compiled core's arithmetic (plan.row_kernels), or None
+        # The compiled core's arithmetic (plan.row_kernels; host rows), or None: ModelOpt's
+        # own, on the unit's device (a GPU's rows are quantized there, then cross to the host).
+        self.fast = fast
         # (the weight's rows computed straight into the caller's bytes, where the compiled
         # core can and no other output is kept beside them: Transform.rows_of)
         into = getattr(fast, "rows_into", None)
@@ -280,7 +303,7 @@ class _RowsOf:
             alone = getattr(self.fast, "alone", {}).get(self.suffix)
             if alone is not None:
                 return alone(rows, first)
-        out = (self.fast(rows, first) if self.fast is not None
+        out = (self.fast(rows if rows.is_cpu else rows.cpu(), first) if self.fast is not None
                else _export_rows(self.unit, rows, first, self.dtype))
         if self.suffix == "weight":
             _KEPT.put(key, {k: out[k] for k in self.kept})
@@ -650,7 +673,8 @@ def _probe(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torc
     probe = _probe_rows(step, total)
 
     def ones(n: int) -> dict[str, torch.Tensor]:
-        return _export_rows(unit, torch.ones((n, shape[1]), dtype=weight_dtype), 0, dtype)
+        rows = torch.ones((n, shape[1]), dtype=weight_dtype, device=device_of(unit))
+        return _export_rows(unit, rows, 0, dtype)
 
     one = ones(probe)
     # Which outputs grow with the rows depends on the format, the quantizer's setup and the
@@ -664,7 +688,7 @@ def _probe(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torc
             two[k].shape != small.shape or two is one))]
         _PER_ROW[kind] = per_row
     return ([(k, v.dtype, tuple(v.shape), None if k in per_row else
-              v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+              v.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
              for k, v in one.items()], list(per_row))
 
 
@@ -703,9 +727,12 @@ def _plan_unit(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: 
     prefix = w.key.removesuffix("weight")
     what = f"{unit.name} ({unit.fmt})"
     token = next(_TOKENS)  # (this weight's rows, in the kept outputs' keys)
+    # The compiled core's rows only for a unit quantized on the host: a GPU's are computed
+    # there by ModelOpt's own arithmetic (the core's kernels are the host's).
     fast = fast_rows(unit.fmt, unit.weight_quantizer, weight_dtype, dtype, shape[1], one,
                      per_row, lambda rows, first: _export_rows(unit, rows, first, dtype),
-                     lambda rows, first: _weight_scale_rows(unit, rows, first), total)
+                     lambda rows, first: _weight_scale_rows(unit, rows, first), total) \
+        if device_of(unit).type == "cpu" else None
     for suffix, small in one.items():
         if suffix not in per_row:
             extra[prefix + suffix] = small

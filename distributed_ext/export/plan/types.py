@@ -33,8 +33,9 @@ class Transform:
     def rows_of(self, rows: torch.Tensor, first: int,
                 empty: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
         """``fn`` of ``rows`` (source rows ``first ..``), computed ``TRANSFORM_BYTES`` of them
-        at a time into one output: the arithmetic's temporaries (several float32 copies, in
-        ModelOpt's) stay those of a few MiB however many rows are asked for. (Computing a
+        at a time (a GPU's: ``DEVICE_TRANSFORM_BYTES``) into one output: the arithmetic's
+        temporaries (several float32 copies, in ModelOpt's) stay those of a few MiB however
+        many rows are asked for. (Computing a
         message's rows in one call where ``fn`` holds no temporaries -- the FP8 table -- was
         measured and not kept: each output then a fresh 1.4 MiB allocation, glibc's heap grew
         a sender's peak RSS from 34-36 to 100-109 MiB at 1 GiB.) ``empty(nbytes)``: the
@@ -50,7 +51,8 @@ class Transform:
             return into(rows, first, empty)
         n = rows.shape[0]
         row_bytes = rows[:1].numel() * rows.element_size()
-        chunk = max(self.step, TRANSFORM_BYTES // max(row_bytes, 1) // self.step * self.step)
+        at_once = TRANSFORM_BYTES if rows.is_cpu else DEVICE_TRANSFORM_BYTES
+        chunk = max(self.step, at_once // max(row_bytes, 1) // self.step * self.step)
         # Cut where the source's own multiples of ``chunk`` fall (wherever ``first`` is), so
         # that two tensors computed from the same rows ask ``fn`` for the same row ranges.
         cuts = [0, *range(-first % chunk or chunk, n, chunk), n]
@@ -74,8 +76,11 @@ class Transform:
         return out
 
 
-# Source bytes a transform computes at once (Transform.rows_of).
+# Source bytes a transform computes at once (Transform.rows_of): of host rows; of a GPU's
+# (ModelOpt's arithmetic there: a few float32 temporaries of them on the device, ~40 MiB at
+# most, for a quarter of the calls -- each a few hundred microseconds of its Python).
 TRANSFORM_BYTES = 2**20
+DEVICE_TRANSFORM_BYTES = 4 * 2**20
 
 
 @dataclass(slots=True)
