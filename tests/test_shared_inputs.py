@@ -216,3 +216,70 @@ def test_tied_input_amax_merged_as_modelopt_merges_it(shared, monkeypatch):
         assert expected["a"] == expected["b"] == before["b"] and expected["c"] == before["c"]
     else:
         assert expected == before
+
+
+class Qwen3MoeSparseMoeBlock(torch.nn.Module):
+    """A MoE block of iterable experts (gate, up and down projections) under the name
+    ModelOpt knows such a block by; every token goes to expert 0: expert 1 is never
+    calibrated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.ModuleDict({
+            n: torch.nn.Linear(32, 32, bias=False) for n in ("gate_proj", "up_proj", "down_proj")
+        }) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.experts[0]
+        return e["down_proj"](e["gate_proj"](x) * e["up_proj"](x))
+
+
+class _WithMoe(torch.nn.Module):
+    def __init__(self, moe: bool) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(32, 32, bias=False)
+        self.mlp = Qwen3MoeSparseMoeBlock() if moe else torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.inp(x))
+
+
+def _quantizer_amax(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if k.endswith("_amax")}
+
+
+@pytest.mark.parametrize("moe", [True, False])
+def test_moe_steps_run_as_modelopt_runs_them_and_only_on_a_moe(moe, monkeypatch):
+    # ModelOpt's export fills the input amax of experts no token reached and shares each
+    # expert's gate/up weight amax; ours calls its two functions where a module is a MoE
+    # block with experts (its `is_moe`), and skips their walks of every module where none
+    # is: the amax then as ModelOpt's leaves them either way.
+    warnings.filterwarnings("ignore")
+    import modelopt.torch.export.layer_utils as lu
+    import modelopt.torch.export.unified_export_hf as ue
+    import modelopt.torch.quantization as mtq
+
+    from distributed_ext.export.plan import shared_inputs
+
+    torch.manual_seed(0)
+    model = _WithMoe(moe)
+    batch = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    mtq.quantize(model, mtq.FP8_DEFAULT_CFG, lambda m: m(batch))
+    before = _quantizer_amax(model)
+    reference = copy.deepcopy(model)
+    ue._prepare_moe_inputs(reference, torch.float32, False)  # ModelOpt's own, always
+    lu.sync_moe_gate_up_amax(reference)
+    expected = _quantizer_amax(reference)
+    calls: list[str] = []
+    for mod, name in ((ue, "_prepare_moe_inputs"), (lu, "sync_moe_gate_up_amax")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name:
+                            calls.append(_name) or _real(*a))
+    shared_inputs.sync_amax(model, torch.float32)
+    got = _quantizer_amax(model)
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert calls == (["_prepare_moe_inputs", "sync_moe_gate_up_amax"] if moe else [])
+    if moe:  # (ModelOpt's steps changed something here: expert 1's input amax, gate/up's)
+        assert sorted(expected) != sorted(before) or any(
+            not torch.equal(before[k], expected[k]) for k in before)
