@@ -293,6 +293,8 @@ class _RowsOf:
         self.rows_into = into if suffix == "weight" and not kept else None
 
     def __call__(self, rows: torch.Tensor, first: int) -> torch.Tensor:
+        if self.fast is not None and not rows.is_cpu:  # (the core's kernels take host rows)
+            rows = rows.cpu()
         key = (self.token, first, rows.shape[0])
         if self.suffix != "weight":
             got = _KEPT.take(key, self.suffix)
@@ -303,7 +305,7 @@ class _RowsOf:
             alone = getattr(self.fast, "alone", {}).get(self.suffix)
             if alone is not None:
                 return alone(rows, first)
-        out = (self.fast(rows if rows.is_cpu else rows.cpu(), first) if self.fast is not None
+        out = (self.fast(rows, first) if self.fast is not None
                else _export_rows(self.unit, rows, first, self.dtype))
         if self.suffix == "weight":
             _KEPT.put(key, {k: out[k] for k in self.kept})

@@ -35,10 +35,10 @@ class Transform:
         """``fn`` of ``rows`` (source rows ``first ..``), computed ``TRANSFORM_BYTES`` of them
         at a time (a GPU's: ``DEVICE_TRANSFORM_BYTES``) into one output: the arithmetic's
         temporaries (several float32 copies, in ModelOpt's) stay those of a few MiB however
-        many rows are asked for. (Computing a
-        message's rows in one call where ``fn`` holds no temporaries -- the FP8 table -- was
-        measured and not kept: each output then a fresh 1.4 MiB allocation, glibc's heap grew
-        a sender's peak RSS from 34-36 to 100-109 MiB at 1 GiB.) ``empty(nbytes)``: the
+        many rows are asked for. (Computing a message's rows in one call where ``fn`` holds
+        no temporaries -- the FP8 table -- was measured and not kept: each output then a
+        fresh 1.4 MiB allocation, glibc's heap grew a sender's peak RSS from 34-36 to 100-109
+        MiB at 1 GiB.) ``empty(nbytes)``: the
         output's bytes (uint8, on the host), where the caller wants them: at the address a
         direct write takes without a bounce copy (on a disk, a quantized weight's bytes are
         90 % of what a rank writes); where that address is not a multiple of the output's
