@@ -256,10 +256,14 @@ GPU_FORMATS = ["FP8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN_CFG", "NVFP4_DEFAUL
 _HOST_KERNELS = ("fp8_divide", "map_through_table", "nvfp4_rows", "nvfp4_scales", "int4_rows")
 
 
-def _gpu_exports(base: str, fmts: list[str]) -> list[str]:
-    """At NCCL world 1, for each format: ModelOpt's own export of the Llama calibrated on
-    the GPU, then ours of the same model, FSDP2 on the GPU. Returns the host kernels the
-    export called (none should run: a GPU's rows are quantized on the GPU)."""
+def _gpu_exports(base: str, fmts: list[str], world: int) -> list[str]:
+    """For each format, the Llama calibrated on the GPU, ``fsdp2_wrap``-ped there and
+    exported by us: at world 1 in an NCCL group of one, after ModelOpt's own export of the
+    same model (the reference); at world 2 over gloo (NCCL refuses two ranks on one GPU),
+    every rank writing its own bytes. Returns the host kernels the export called (none
+    should run: a GPU's rows are quantized on the GPU)."""
+    import contextlib
+
     from modelopt.torch.export import export_hf_checkpoint
 
     import distributed_ext as dx
@@ -277,13 +281,17 @@ def _gpu_exports(base: str, fmts: list[str]) -> list[str]:
     for get in (extensions.get_cuda_ext, extensions.get_cuda_ext_fp8, extensions.get_cuda_ext_mx):
         get.extension = None
     torch.cuda.set_device(0)
-    with nccl_group_of_one(os.path.join(base, "group")):
+    group = nccl_group_of_one(os.path.join(base, "group")) if world == 1 else \
+        contextlib.nullcontext()
+    with group:
         for fmt in fmts:
-            export_hf_checkpoint(_quantized("llama", fmt, device="cuda"), dtype=torch.bfloat16,
-                                 export_dir=os.path.join(base, "ref", fmt))
+            if world == 1:
+                export_hf_checkpoint(_quantized("llama", fmt, device="cuda"),
+                                     dtype=torch.bfloat16, export_dir=os.path.join(base, "ref", fmt))
             model = _quantized("llama", fmt, device="cuda")
             dx.fsdp2_wrap(model)
-            dx.export_hf_checkpoint(model, os.path.join(base, "ours", fmt))
+            dx.export_hf_checkpoint(model, os.path.join(base, f"ours-{world}", fmt),
+                                    writers="all")
     return called
 
 
@@ -291,20 +299,27 @@ def _gpu_exports(base: str, fmts: list[str]) -> list[str]:
 def test_a_gpu_calibrated_model_is_quantized_on_the_gpu_as_modelopt_exports_it(tmp_path):
     # The compiled core's row kernels take host rows: a GPU's rows are computed there by
     # ModelOpt's own arithmetic (its probes too, beside the quantizers' GPU buffers), then
-    # cross to the host as quantized bytes.
+    # cross to the host as quantized bytes; at world 2 each rank probes its share.
     base = str(tmp_path)
-    (called,) = assert_all_ok(run_ranks(_gpu_exports, 1, base, GPU_FORMATS, init=False,
+    (called,) = assert_all_ok(run_ranks(_gpu_exports, 1, base, GPU_FORMATS, 1, init=False,
                                         timeout=400))
     assert called == [], called
+    for called in assert_all_ok(run_ranks(_gpu_exports, 2, base, GPU_FORMATS, 2,
+                                          timeout=400)):
+        assert called == [], called
     for fmt in GPU_FORMATS:
-        ref_dir, our_dir = os.path.join(base, "ref", fmt), os.path.join(base, "ours", fmt)
-        ref, ours = hf_models.read_checkpoint(ref_dir), hf_models.read_checkpoint(our_dir)
-        assert sorted(ours) == sorted(ref), (fmt, sorted(set(ours) ^ set(ref)))
-        assert not [k for k in ref if not _same_bytes(ref[k], ours[k])], fmt
-        assert ours["model.layers.0.mlp.down_proj.weight"].dtype != torch.bfloat16, fmt
-        for name in ("hf_quant_config.json", "config.json"):
-            with open(os.path.join(ref_dir, name)) as f, open(os.path.join(our_dir, name)) as g:
-                assert json.load(g) == json.load(f), (fmt, name)
+        ref_dir = os.path.join(base, "ref", fmt)
+        ref = hf_models.read_checkpoint(ref_dir)
+        for world in (1, 2):
+            our_dir = os.path.join(base, f"ours-{world}", fmt)
+            ours = hf_models.read_checkpoint(our_dir)
+            assert sorted(ours) == sorted(ref), (fmt, world, sorted(set(ours) ^ set(ref)))
+            assert not [k for k in ref if not _same_bytes(ref[k], ours[k])], (fmt, world)
+            assert ours["model.layers.0.mlp.down_proj.weight"].dtype != torch.bfloat16, fmt
+            for name in ("hf_quant_config.json", "config.json"):
+                with open(os.path.join(ref_dir, name)) as f, \
+                        open(os.path.join(our_dir, name)) as g:
+                    assert json.load(g) == json.load(f), (fmt, world, name)
 
 
 # One layer of a 2048 x 16384 MLP in bf16: 0.2 GB of weights, 0.1 GB a rank at world 2; the

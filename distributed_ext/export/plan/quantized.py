@@ -201,7 +201,7 @@ def device_of(unit: _Unit) -> torch.device:
     where the quantizer holds no tensor. Rows held elsewhere (FSDP2's CPU offload keeps the
     weights on the host, the quantizers' buffers on the GPU) are moved there first, as
     ModelOpt's own arithmetic would refuse them beside its amax."""
-    for buf in unit.weight_quantizer.buffers(recurse=False):
+    for buf in unit.weight_quantizer._buffers.values():  # (its own; not the generator's cost)
         if isinstance(buf, torch.Tensor):
             return buf.device
     return torch.device("cpu")
