@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace distributed_ext {
 namespace {
@@ -25,6 +26,11 @@ struct Beat {
   bool stop = false;
   bool done = false;  // set by the thread as it leaves
   std::atomic<int64_t> beats{0};
+  // The note (where this rank is: set_heartbeat_note), posted by the next beat if newer.
+  std::string note_key;
+  std::string note;
+  uint64_t note_version = 0;   // under mutex
+  uint64_t posted_version = 0; // the thread's own
   std::atomic<bool> failed{false};
   std::thread thread;
 };
@@ -47,6 +53,20 @@ void run(Beat* beat) {
       beat->client->add(beat->key, 1);
       beat->beats.fetch_add(1);
       failures = 0;
+      std::string key, note;
+      uint64_t version;
+      {
+        std::lock_guard<std::mutex> guard(beat->mutex);
+        version = beat->note_version;
+        if (version != beat->posted_version) {
+          key = beat->note_key;
+          note = beat->note;
+        }
+      }
+      if (version != beat->posted_version) {
+        beat->client->set(key, std::vector<uint8_t>(note.begin(), note.end()));
+        beat->posted_version = version;
+      }
     } catch (...) {
       // A store that cannot be reached now (its host is gone, or shutting down): a peer
       // reading our counter will see it stall, which is the truth as far as it can tell.
@@ -120,6 +140,15 @@ bool heartbeat_running(const c10::intrusive_ptr<c10d::Store>& store, const std::
 void stop_heartbeat() {
   std::lock_guard<std::mutex> guard(g_mutex);
   stop_locked();
+}
+
+void set_heartbeat_note(const std::string& key, const std::string& note) {
+  std::lock_guard<std::mutex> guard(g_mutex);
+  if (!g_beat) return;
+  std::lock_guard<std::mutex> lock(g_beat->mutex);
+  g_beat->note_key = key;
+  g_beat->note = note;
+  g_beat->note_version += 1;
 }
 
 int64_t heartbeat_count() {

@@ -32,6 +32,11 @@ bool heartbeat_running(const c10::intrusive_ptr<c10d::Store>& store, const std::
 // Stops the heartbeat thread (waits for it to leave, at most one beat's store call).
 void stop_heartbeat();
 
+// Hands the running heartbeat a note (where this rank is: its current call) to post under
+// `key` with its next beat, at most one interval later; only the newest note is posted. Costs
+// the caller a mutex, never a store call. A no-op when no heartbeat runs.
+void set_heartbeat_note(const std::string& key, const std::string& note);
+
 // Beats sent by this process's current heartbeat (0 if none runs); for tests.
 int64_t heartbeat_count();
 

@@ -126,6 +126,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether the heartbeat already runs for this store and key.");
   m.def("stop_heartbeat", &distributed_ext::stop_heartbeat,
         pybind11::call_guard<pybind11::gil_scoped_release>(), "Stop the heartbeat thread.");
+  m.def("set_heartbeat_note", &distributed_ext::set_heartbeat_note, pybind11::arg("key"),
+        pybind11::arg("note"), "Post a note under key with the next beat.");
   m.def("heartbeat_count", &distributed_ext::heartbeat_count, "Beats sent so far.");
   m.def("heartbeat_failed", &distributed_ext::heartbeat_failed,
         "Whether the heartbeat gave up after repeated failed beats.");

@@ -216,6 +216,7 @@ def exchange(status: Status, ctx: GroupContext, what: str = "distributed_ext") -
     """All-gathers every rank's status record; returns them in group rank order."""
     mine = status.encode().to(ctx.device)
     out = [torch.empty_like(mine) for _ in range(ctx.size)]
+    _watch.POSTS.begin_round(ctx.ranks, what)  # (a point every rank of the group passes)
     work = dist.all_gather(out, mine, group=ctx.group, async_op=True)
     _watch.wait_work(work, ctx.ranks, f"{what} (status round)", ctx.device)
     return [Status.decode(bytes(tensor_bytes(t))) for t in out]
@@ -243,22 +244,38 @@ def agree(what: str, ctx: GroupContext, step: Callable[[], tuple[int, ...] | Non
     Returns:
         Every rank's status, in group rank order, once every rank succeeded.
     """
+    label = f"{what} ({stage})" if stage else what
     if step is not None:
         try:
             fields = step()
-            status = Status() if fields is None else Status(fields=fields)
+            status = Status(label=label) if fields is None else Status(fields=fields, label=label)
         except BaseException as exc:  # noqa: BLE001 - carried to every rank, raised below
-            status = Status.failed(exc)
+            status = Status.failed(exc, label)
     else:
-        status = Status() if failure is None else Status.failed(failure)
+        status = Status(label=label) if failure is None else Status.failed(failure, label)
     try:
         statuses = exchange(status, via or ctx, what)
-        raise_first_failure(f"{what} ({stage})" if stage else what, statuses, ctx, status)
+        raise_different_rounds(statuses, ctx, status)
+        raise_first_failure(label, statuses, ctx, status)
     except BaseException:
         if cleanup is not None:
             cleanup()
         raise
     return statuses
+
+
+def raise_different_rounds(statuses: list[Status], ctx: GroupContext, own: Status) -> None:
+    """RuntimeError on every rank where the ranks' records come from different rounds (the
+    label of each -- its call and stage -- differs): ranks in different calls at the same
+    point, naming both; the record's fields mean nothing to each other then."""
+    other = next((i for i, s in enumerate(statuses) if not s.same_label(own)), None)
+    if other is None:
+        return
+    raise RuntimeError(
+        f"{own.label}: ranks are in different calls of distributed_ext at the same point: "
+        f"rank {ctx.global_rank} in {own.label!r}, rank {ctx.ranks[other]} in "
+        f"{statuses[other].label!r}; every rank must make the same calls in the same order"
+    ) from own.exc
 
 
 def broadcast_status(status: Status | None, src: int, ctx: GroupContext,
@@ -268,6 +285,7 @@ def broadcast_status(status: Status | None, src: int, ctx: GroupContext,
         record = status.encode().to(ctx.device)
     else:
         record = torch.empty(RECORD_BYTES, dtype=torch.uint8, device=ctx.device)
+    _watch.POSTS.begin_round(ctx.ranks, what)
     work = dist.broadcast(record, src=src, group=ctx.group, async_op=True)
     _watch.wait_work(work, ctx.ranks, f"{what} (status round)", ctx.device)
     return Status.decode(bytes(tensor_bytes(record)))

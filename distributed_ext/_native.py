@@ -298,6 +298,13 @@ def stop_heartbeat() -> None:
     _C.stop_heartbeat()
 
 
+def set_heartbeat_note(key: str, note: str) -> None:
+    """Hands the running heartbeat ``note`` to post under ``key`` with its next beat (at
+    most one interval later, only the newest); a mutex here, never a store call. A no-op
+    when no heartbeat runs."""
+    _C.set_heartbeat_note(key, note)
+
+
 def heartbeat_count() -> int:
     """Beats the current heartbeat has sent (0 when none runs)."""
     return int(_C.heartbeat_count())

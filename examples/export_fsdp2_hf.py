@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
     missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:
-        ap.error(f"needs {' and '.join(missing)}: pip install 'distributed_ext[export]'")
+        ap.error(f"needs {' and '.join(missing)}: pip install --no-build-isolation -e "
+                 f"'.[export]' in the distributed_ext checkout (or pip install "
+                 f"{' '.join(missing)})")
     if dx.is_distributed_launch():
         with dx.distributed_run() as state:
             logits = train_and_export(args.out, args.max_shard_size)

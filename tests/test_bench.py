@@ -81,7 +81,7 @@ def test_plot_from_a_saved_run_without_matplotlib_says_what_to_install(tmp_path,
     with pytest.raises(SystemExit) as info:
         bench.parse_args(["--from-json", str(saved), "--plot", str(tmp_path / "p.png")])
     assert info.value.code == 2
-    assert "pip install 'distributed_ext[plot]'" in capsys.readouterr().err
+    assert "pip install --no-build-isolation -e '.[plot]'" in capsys.readouterr().err
 
 
 def test_plot_needs_matplotlib(tmp_path, capsys):
@@ -146,7 +146,25 @@ def test_export_needs_its_extra_up_front(monkeypatch, capsys):
     monkeypatch.setattr(bench.cli, "_importable", lambda name: name != "transformers")
     with pytest.raises(SystemExit):
         bench.parse_args(["--workload", "export"])
-    assert "pip install 'distributed_ext[export]'" in capsys.readouterr().err
+    assert "pip install --no-build-isolation -e '.[export]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["missing", "file"])
+def test_a_bad_bench_dir_is_a_usage_error_before_any_rank_starts(what, tmp_path, monkeypatch,
+                                                                  capsys):
+    where = tmp_path / "nowhere"
+    if what == "file":
+        where.write_text("x")
+    monkeypatch.setenv("DEXT_BENCH_DIR", str(where))
+    monkeypatch.setattr(bench.cli, "_importable", lambda name: True)
+    with pytest.raises(SystemExit) as info:
+        bench.parse_args(["--workload", "export"])
+    assert info.value.code == 2  # argparse's usage error, not a traceback
+    err = capsys.readouterr().err
+    assert f"DEXT_BENCH_DIR={str(where)!r}" in err
+    assert ("is not a directory" if what == "file" else "does not exist") in err
+    monkeypatch.setenv("DEXT_BENCH_DIR", str(tmp_path))
+    assert bench.parse_args(["--workload", "export"]).workloads == ["export"]
 
 
 def test_the_export_extra_holds_what_the_export_needs():

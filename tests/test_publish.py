@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -293,3 +295,99 @@ def test_a_directory_made_by_another_checker_at_the_same_moment_is_accepted(tmp_
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         publish.check_directory(str(tmp_path / "file" / "ckpt"), "export_hf_checkpoint", True)
+
+
+_RACER = r"""
+import os, sys, time
+import torch
+import distributed_ext as dx
+out, tag, start = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+state = {"w": torch.full((2, 2**20), float(tag)), "b": torch.arange(1000.0) + tag}
+while not os.path.exists(start):
+    time.sleep(0.005)
+ok = refused = 0
+for _ in range(20):
+    try:
+        dx.export_hf_checkpoint(state, out)
+        ok += 1
+    except ValueError as exc:
+        assert "another export into directory=" in str(exc) and "is live (pid " in str(exc), exc
+        refused += 1
+print(ok, refused)
+"""
+
+
+def test_two_processes_exporting_into_one_directory_never_remove_each_others_stage(tmp_path):
+    out, start = str(tmp_path / "ckpt"), str(tmp_path / "start")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, out, str(tag), start], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for tag in (1, 2)]
+    try:
+        time.sleep(3)  # (both imported torch by now)
+        open(start, "w").close()
+        results = [r.communicate(timeout=240) for r in racers]
+    finally:
+        for r in racers:
+            r.kill()
+    for r, (_out, err) in zip(racers, results):
+        assert r.returncode == 0, err[-3000:]  # every call succeeded or was refused clearly
+    counts = [tuple(map(int, out.split())) for out, _err in results]
+    assert all(ok + refused == 20 for ok, refused in counts), counts
+    # They did overlap (some were refused), and exports went through.
+    assert sum(refused for _ok, refused in counts) > 0 and sum(ok for ok, _r in counts) > 0, counts
+    # One complete checkpoint (one racer's, never a mix), and nothing of ours beside it.
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    got = safetensors_torch.load_file(os.path.join(out, "model.safetensors"))
+    tag = got["b"][0].item()
+    assert tag in (1.0, 2.0) and torch.equal(got["w"], torch.full((2, 2**20), tag))
+
+
+_STALLED = r"""
+import sys, time
+import torch
+import distributed_ext as dx
+from distributed_ext.export.files import publish
+publish.Stage.publish = lambda self, *a: (print("staged", flush=True), time.sleep(600))
+dx.export_hf_checkpoint({"w": torch.ones(1000)}, sys.argv[1])
+"""
+
+
+def test_a_live_export_is_refused_by_name_and_a_killed_ones_stage_is_removed_by_the_next(
+        tmp_path):
+    out = tmp_path / "ckpt"
+    _tiny(1).save_pretrained(str(out))
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    stalled = subprocess.Popen([sys.executable, "-c", _STALLED, str(out)], text=True,
+                               stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert stalled.stdout.readline().strip() == "staged"
+        stages = [n for n in os.listdir(out) if n.startswith(".dext-export-")]
+        assert len(stages) == 1
+        # Live: refused at once, naming the directory and the holder; its stage is kept.
+        got = _export_tiny(str(out))
+        assert got[:2] == ("raised", "ValueError"), got
+        assert f"directory={str(out)!r}" in got[2] and f"pid {stalled.pid}" in got[2], got
+        assert stages[0] in os.listdir(out)
+    finally:
+        stalled.kill()
+        stalled.wait()
+    # Killed (the kernel released its lock): the next export removes its stage and publishes.
+    assert _export_tiny(str(out)) == ("ok",)
+    names = sorted(os.listdir(out))
+    assert not [n for n in names if n.startswith(".dext-export")], names
+    assert set(before) <= set(names)
+    assert _loads_as(str(out), {"new": _tiny(2).state_dict()}) == "new"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json",
+                                  "model.safetensors.index.json"])
+def test_a_users_directory_named_like_a_checkpoint_file_is_refused_and_kept(name, tmp_path):
+    out = tmp_path / "ckpt"
+    (out / name).mkdir(parents=True)
+    (out / name / "notes.txt").write_text("mine")
+    got = _export_tiny(str(out))
+    assert got[:2] == ("raised", "ValueError"), got
+    assert repr(name) in got[2] and "is a directory" in got[2] and "nothing was written" in got[2]
+    assert sorted(os.listdir(out)) == [name]  # no stage, no lock file left
+    assert (out / name / "notes.txt").read_text() == "mine"

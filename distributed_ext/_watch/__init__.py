@@ -100,6 +100,7 @@ from distributed_ext._watch.wait import (  # noqa: F401 - the module's names, as
     run_watched,
     wait_work,
 )
+from distributed_ext._watch.whereabouts import POSTS, WARN_EVERY_S  # noqa: F401
 
 __all__ = [
     "CHECK_EVERY_S",

@@ -29,6 +29,7 @@ from distributed_ext._watch.store import (
     _store_host_rank,
     watch_client,
 )
+from distributed_ext._watch.whereabouts import POSTS, Watch, describe_absent
 
 
 class LocalFailure(Exception):
@@ -178,11 +179,23 @@ def _await(events: queue.SimpleQueue, error_of: Callable[[], BaseException | Non
         ``(the worker's error, the progress callback's first error, the liveness watch if one
         started)`` -- the watch's observations let a later attribution start from them.
     """
+    note = POSTS.enter(ranks, what)  # (where this rank is, for its peers' watches)
+    try:
+        return _await_posted(events, error_of, ranks, what, on_progress, note)
+    finally:
+        POSTS.leave(note)
+
+
+def _await_posted(events: queue.SimpleQueue, error_of: Callable[[], BaseException | None] | None,
+                  ranks: list[int], what: str, on_progress: Callable[[int], None] | None,
+                  note: Any) -> tuple[BaseException | None, BaseException | None,
+                                      _Liveness | None]:
     deferral = DeferredInterrupts.current()
     interrupt: BaseException | None = None
     callback_error: BaseException | None = None
     start = time.monotonic()
     liveness: _Liveness | None = None
+    watch: Watch | None = None  # (the peers' whereabouts: a mismatch, the absent named)
     next_check = start + GRACE_S
     finished = False
     while not finished:
@@ -215,6 +228,9 @@ def _await(events: queue.SimpleQueue, error_of: Callable[[], BaseException | Non
                     post_failure(dead[0], liveness.why(dead[0]))
                     raise RuntimeError(_dead_message(what, dead, liveness,
                                                      " while this rank waited for it"))
+                if watch is None:
+                    watch = Watch(ranks, note, what, start)
+                watch.check(now)
         except (KeyboardInterrupt, SystemExit) as exc:
             if interrupt is not None or DeferredInterrupts.any_pending():
                 raise  # a second interrupt: leave now, the work stays with its thread
@@ -255,6 +271,13 @@ def _raise_worker_error(error: BaseException, liveness: _Liveness | None, ranks:
         post_failure(dead[0], liveness.why(dead[0]))
         raise RuntimeError(_dead_message(what, dead, liveness, "") + f" (the transport said: "
                            f"{error})") from error
+    if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+        # Every peer alive: the wait outlasted the group's timeout for ranks that never came.
+        absent = describe_absent(ranks, what)
+        raise RuntimeError(
+            f"{what}: the process group's timeout passed while this rank waited"
+            + (f" for {absent}" if absent else "") + "; every rank must make the same calls "
+            f"of distributed_ext in the same order (the transport said: {error})") from error
     raise error
 
 

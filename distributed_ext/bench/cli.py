@@ -80,8 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            ap.error("--plot needs matplotlib: pip install 'distributed_ext[plot]' (or "
-                     "pip install matplotlib)")
+            ap.error(f"--plot needs matplotlib: {install_hint('plot', 'matplotlib')}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         # Checked before the run: a figure file that cannot be written loses the whole run.
         folder = os.path.dirname(os.path.abspath(path)) if path else None
@@ -98,16 +97,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             import numpy  # noqa: F401
         except ImportError:
-            ap.error("the torch baseline (dist.gather_object) needs numpy: pip install "
-                     "'distributed_ext[bench]' (or numpy), or pass --no-baseline")
+            ap.error("the torch baseline (dist.gather_object) needs numpy: "
+                     f"{install_hint('bench', 'numpy')}, or pass --no-baseline")
     if args.workload == "export":
         missing = [m for m in ("transformers", "safetensors") if not _importable(m)]
         if missing:
-            ap.error(f"--workload export needs {' and '.join(missing)}: pip install "
-                     "'distributed_ext[export]'")
+            ap.error(f"--workload export needs {' and '.join(missing)}: "
+                     f"{install_hint('export', ' '.join(missing))}")
+        # Checked before any rank starts: the run directory is made there after the start.
+        where = os.environ.get("DEXT_BENCH_DIR")
+        if where and not (os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK)):
+            why = ("is not a directory" if os.path.exists(where) else "does not exist")
+            ap.error(f"DEXT_BENCH_DIR={where!r} {why} or cannot be written (the export "
+                     "workload writes its checkpoints there); create it, point it at a "
+                     "writable directory, or unset it for the system's temp dir")
     args.workloads = ["bytes", "state-dict"] if args.workload == "all" else [args.workload]
     args.sizes = list(args.size)
     return args
+
+
+def install_hint(extra: str, packages: str) -> str:
+    """How to install an extra, in the README's form (the package is installed from its
+    checkout, not from an index)."""
+    return (f"pip install --no-build-isolation -e '.[{extra}]' in the distributed_ext "
+            f"checkout (or pip install {packages})")
 
 
 def _importable(module: str) -> bool:

@@ -187,7 +187,7 @@ def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup
         fused = _fuse_quantized(unwrap(model_or_state), group, what, ctx.rank, ctx.size)
     with _watch.DeferredInterrupts() as deferred:
         held = {}
-        summaries = all_reduce(f"{what}: metadata", lambda: describe(held), list, group)
+        summaries = all_reduce(f"{what} (metadata)", lambda: describe(held), list, group)
         described = resolve_described(summaries, held["described"], what, group)
         # From here on every rank computes the same from the same metadata: an error below is
         # raised by every rank alike.
@@ -325,7 +325,7 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
             return True, (None, None)
         return False, share(pre_quant=False)
 
-    got = all_reduce(f"{what}: quantized layers", first, list, group)
+    got = all_reduce(f"{what} (opening)", first, list, group)
     flags = [flag for flag, _share in got]
     if not any(flags):
         return _merge_shares([share for _flag, share in got], state)
@@ -335,18 +335,18 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
                          f"on some ranks but not on group ranks {ranks}; quantize it alike on "
                          "every rank")
     resmooth = _shared_inputs.Resmooth(model)
-    pieces = all_reduce(f"{what}: the pre-quant scales of layers that share an input, from "
-                        "each rank's rows", resmooth.pieces, list, group)
+    pieces = all_reduce(f"{what} (the pre-quant scales of layers that share an input, from "
+                        "each rank's rows)", resmooth.pieces, list, group)
     if all(p is not None for p in pieces):
-        all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
+        all_reduce(f"{what} (fusing the pre-quant scales of layers that share an input)",
                    lambda: resmooth.apply(pieces), list, group)
     else:
-        all_reduce(f"{what}: fusing the pre-quant scales of layers that share an input",
+        all_reduce(f"{what} (fusing the pre-quant scales of layers that share an input)",
                    lambda: _shared_inputs.fuse_shared_inputs(model), list, group)
     if count == 1:
         return _Fused()
-    return _merge_shares(all_reduce(f"{what}: the quantized weights' probes, each rank its "
-                                    "share", lambda: share(pre_quant=True), list, group), None)
+    return _merge_shares(all_reduce(f"{what} (the quantized weights' probes, each rank "
+                                    "its share)", lambda: share(pre_quant=True), list, group), None)
 
 
 @dataclass
@@ -382,7 +382,7 @@ def resolve_described(summaries: list[Described], mine: Described, what: str,
     if all(d.digest == summaries[0].digest for d in summaries):
         tables = [(mine.keys, mine.sig_ids)] * len(summaries)
     else:
-        tables = all_reduce(f"{what}: keys", lambda: (mine.keys, mine.sig_ids), list, group)
+        tables = all_reduce(f"{what} (keys)", lambda: (mine.keys, mine.sig_ids), list, group)
     return [Described(keys, ids, d.signatures, d.plan, d.args, d.digest, d.converts)
             for d, (keys, ids) in zip(summaries, tables)]
 

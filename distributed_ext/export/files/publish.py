@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import fcntl
 import functools
 import os
 import re
+import socket
 import stat
 import uuid
 from typing import Any
@@ -159,6 +161,91 @@ def check_directory(directory: str, what: str, on_dst: bool) -> None:
         os.rmdir(trial)
 
 
+def _refuse_non_files(directory: str, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of ``names`` in ``directory`` that exists and is neither a
+    file nor a link: publishing would move it aside and remove it with the stage (a
+    directory the user named ``model.safetensors`` or ``config.json``, with what it holds).
+    ``save_pretrained`` fails on such an entry too."""
+    for name in dict.fromkeys(names):
+        try:
+            mode = os.lstat(os.path.join(directory, name)).st_mode
+        except FileNotFoundError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ValueError(
+                f"export_hf_checkpoint: directory={directory!r} holds {name!r}, which is {kind}; "
+                "the checkpoint writes a file of that name there. Move or rename it, or export "
+                "into another directory (nothing was written)")
+
+
+class ExportLock:
+    """The lock of one live export of a directory: ``flock`` on ``.dext-export.lock`` in it,
+    which the kernel releases when its holder dies (a crash, SIGKILL), so that a crashed
+    export's stage is found unlocked and removed by the next export, and a live one's never.
+    A second export of the directory while one is live is refused at once (ValueError naming
+    the directory and the holder's pid and host). The file is removed by its holder on
+    release (after checking, as every taker does, that the locked file is still the one the
+    name points at). Where the filesystem refuses locks (ENOLCK, EOPNOTSUPP), :attr:`held`
+    is False: no lock, and so no stage but this export's own is ever removed there."""
+
+    NAME = ".dext-export.lock"
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, self.NAME)
+        self.fd: int | None = None
+        self.held = False
+        for _attempt in range(16):  # (each retry: a holder removed the file under us)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise ValueError(
+                    f"export_hf_checkpoint: another export into directory={directory!r} is live "
+                    f"({holder}); wait for it to finish, or export into another directory "
+                    "(nothing was written)") from None
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    return  # no locks on this filesystem: held stays False
+                raise
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd, self.held = fd, True
+                note = f"pid {os.getpid()} on host {socket.gethostname()}".encode()
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, note, 0)
+                return
+            os.close(fd)  # locked a file its holder had just removed: take the new one
+        raise ValueError(f"export_hf_checkpoint: directory={directory!r}: its export lock "
+                         f"{self.path!r} kept changing under this export; another process "
+                         "is churning it -- export into another directory")
+
+    def release(self) -> None:
+        """Removes the lock file (while still holding it) and releases it; idempotent."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(self.fd)  # (releases the flock)
+        self.fd, self.held = None, False
+
+
+def _read_holder(fd: int) -> str:
+    """The holder's note in a lock file (its pid and host), or a placeholder."""
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    return text or "its holder's pid is not written yet"
+
+
 class Stage:
     """A hidden stage directory inside ``directory``, published into it (:meth:`publish`).
 
@@ -177,10 +264,17 @@ class Stage:
     every loader refuses ("no model.safetensors or index"): never a mix that loads. The
     earlier files then wait in the stage's ``.earlier`` folder until the next export of the
     directory removes what crashed ones left. A failure that is not a crash (an I/O error,
-    Ctrl-C) puts the earlier files back before raising: the directory is as it was.
+    Ctrl-C) puts the earlier files back before raising: the directory is as it was. One
+    export of a directory is live at a time (:class:`ExportLock`, held from the stage's
+    making to its publishing or removal): a stage is removed as a crashed export's only
+    while its export holds no lock, so two exports never remove each other's.
     """
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, names: tuple[str, ...] = ()) -> None:
+        """Takes the directory's export lock (:class:`ExportLock`: another live export of it
+        is refused), refuses an entry of ``names`` (the files this export publishes) or of
+        the entry points it moves aside that is not a file (a user's directory named
+        ``model.safetensors``), then removes what crashed exports left and makes the stage."""
         self.directory = directory
         # The directories this export makes (the deepest last): removed again if it fails.
         self._made: list[str] = []
@@ -188,23 +282,38 @@ class Stage:
         while not os.path.lexists(probe):
             self._made.insert(0, probe)
             probe = os.path.dirname(probe)
+        self._lock: ExportLock | None = None
         try:
             os.makedirs(directory, exist_ok=True)  # as save_pretrained, parents are made
-            self._remove_stale()
+            self._lock = ExportLock(directory)
+            _refuse_non_files(directory, (INDEX_NAME, WEIGHTS_NAME, *names))
+            if self._lock.held:  # (else live exports cannot be told from crashed ones)
+                self._remove_stale()
             self.path = os.path.join(directory, f"{_STAGE_TAG}{uuid.uuid4().hex}")
             os.mkdir(self.path)
         except OSError as exc:
-            self._unmake()
+            self._release()
             raise ValueError(f"export_hf_checkpoint: directory={directory!r} cannot take a checkpoint "
                              f"({exc.strerror}); pass a directory you can write") from exc
+        except BaseException:
+            self._release()
+            raise
         self.published = False
+
+    def _release(self) -> None:
+        """The lock released (after the stage is gone or published), the directories this
+        export made removed where empty."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        self._unmake()
 
     def abort(self) -> None:
         """Removes the stage; the directory is as it was (unless already published): one
         this export made is removed again (if nothing else was put there meanwhile)."""
         if not self.published:
             _remove(self.path)
-            self._unmake()
+            self._release()
 
     def _unmake(self) -> None:
         """Removes the directories this export made, deepest first (each only if empty)."""
@@ -238,13 +347,17 @@ class Stage:
             raise
         self.published = True
         # Published. Best effort from here: a failure to tidy up is not a failed export.
-        for name in os.listdir(self.directory):  # stale shards of an earlier checkpoint
-            if _SHARD_RE.match(name) and name not in names:
-                with contextlib.suppress(OSError):
-                    os.unlink(target(name))
-        _remove(self.path)
-        with contextlib.suppress(OSError):
-            _fsync_path(self.directory, directory=True)
+        try:
+            for name in os.listdir(self.directory):  # stale shards of an earlier checkpoint
+                if _SHARD_RE.match(name) and name not in names:
+                    with contextlib.suppress(OSError):
+                        if not stat.S_ISDIR(os.lstat(target(name)).st_mode):  # (never a user's
+                            os.unlink(target(name))                         # directory)
+            _remove(self.path)
+            with contextlib.suppress(OSError):
+                _fsync_path(self.directory, directory=True)
+        finally:
+            self._release()
 
     def _put_back(self, moved: list[str], placed: list[str], earlier: str,
                   cause: BaseException) -> None:

@@ -80,11 +80,12 @@ class FileSink:
         # agreed, before anything is written.
         self.mapped = False
         self._written: set[_direct_io.DirectFile] = set()
-        self.stage = Stage(directory) if join is None else None
-        where = self.stage.path if self.stage is not None else join
         n = len(files)
         self.names = [WEIGHTS_NAME] if n == 1 else [
             f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.stage = None if join is not None else Stage(
+            directory, (*self.names, *((INDEX_NAME,) if n > 1 else ()), *self.texts))
+        where = self.stage.path if self.stage is not None else join
         self.files: list[_direct_io.DirectFile] = []
         # Per entry index: its file's number and its data's offset in that file.
         count = sum(len(group) for group in files)

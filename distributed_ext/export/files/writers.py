@@ -110,7 +110,7 @@ def resolve_writers(writers: str, stage: str | None, ctx: _agree.GroupContext, d
             f.write(token)
         return stage, token
 
-    where, token = broadcast_from(f"{what}: stage", probe, dst_global, group)
+    where, token = broadcast_from(f"{what} (stage)", probe, dst_global, group)
     try:
         # One status round: each rank's answer travels in its record's fields.
         answers = [s.fields for s in _agree.agree(
