@@ -50,6 +50,7 @@ from distributed_ext.export.plan.shared_inputs import (
     sync_amax,
 )
 from distributed_ext.export.plan.types import Transform
+from distributed_ext.export.plan.wrappers import drop_wrapper_parts, wrapper_paths
 
 # The formats written from the shards (ModelOpt's names), each with how many rows its
 # arithmetic takes together (INT4 AWQ packs two rows in a byte). Any other format is refused
@@ -139,7 +140,11 @@ def _sources(model: nn.Module) -> dict[str, Any]:
 def _find_sources(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     probe = _format_probe()
+    # A wrapper inside the model (``layers[i] = torch.compile(layer)``, DDP) keeps its
+    # attribute in the modules' names; the written keys drop it: so do the sources' keys.
+    wrappers = wrapper_paths(model)
     for name, module in model.named_modules():
+        name = drop_wrapper_parts(name, wrappers)
         # Quantizers are submodules: looked up among them first, since ModelOpt's modules
         # answer a missing attribute in ~4 us of Python, and most modules have no quantizer
         # (four such misses a module were half of this walk: 20 of 40 ms for a 1 GiB Llama).
@@ -163,7 +168,38 @@ def _find_sources(model: nn.Module) -> dict[str, Any]:
             fmt = _format(wq, getattr(module, "input_quantizer", None), probe)
             if fmt is not None:
                 out[prefix + "weight"] = _Linear(module, fmt)
+    for canonical in tied_aliases(model).values():
+        # ModelOpt's export writes the canonical side of a tie (the input embedding) as it
+        # is, whatever its quantizer; the alias (``lm_head``) as its own quantizers say.
+        out.pop(canonical, None)
     return out
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """The model's declared ties (``_tied_weights_keys``: alias key -> canonical key) whose
+    two sides are one parameter now."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    if not isinstance(tied, dict):
+        return {}
+    out = {}
+    for alias, canonical in tied.items():
+        try:
+            same = model.get_parameter(alias) is model.get_parameter(canonical)
+        except (AttributeError, TypeError):
+            continue
+        if same:
+            out[alias] = canonical
+    return out
+
+
+def _keep_quantized_aliases(model: nn.Module, state: dict[str, Any],
+                            sources: dict[str, Any]) -> None:
+    """The alias of a tie that ModelOpt quantized (``lm_head`` of tied embeddings): its export
+    writes it as its own quantized tensor beside the canonical one, so its key, which the
+    state leaves out as ``save_pretrained`` does, is put back (the same tensor)."""
+    for alias, canonical in tied_aliases(model).items():
+        if alias in sources and alias not in state and canonical in state:
+            state[alias] = state[canonical]
 
 
 def export_dtype(model: nn.Module) -> torch.dtype:
@@ -472,7 +508,9 @@ def _units(model: nn.Module, sources: dict[str, Any], held: dict[str, tuple],
     units = []
     probe = _format_probe()  # (one for the walk: a MoE asks the format of each expert)
     formats: dict[tuple, str | None] = {}
+    written_from: set[str] = set()
     for w in _keys.resolve_written(model, held, converts):
+        written_from.update(p.source for p in w.parts)
         unit = _unit_of(w, sources, held, probe, formats)
         if unit is None:
             continue
@@ -483,8 +521,26 @@ def _units(model: nn.Module, sources: dict[str, Any], held: dict[str, tuple],
                 f"{', '.join(sorted(ROW_FORMATS))}); export it with "
                 "modelopt.torch.export.export_hf_checkpoint instead")
         units.append((w, unit))
+    _check_every_source_written(sources, written_from)
     _UNITS.put(model, key, list(units))
     return units
+
+
+def _check_every_source_written(sources: dict[str, Any], written_from: set[str]) -> None:
+    """ValueError naming the first quantized module whose weight no written tensor is made
+    from: its quantization config would declare it quantized while the checkpoint held it in
+    high precision, or not at all (the config and the tensors must come from one source:
+    checked before any byte moves, whatever wrapper or tie came between them)."""
+    for key, source in sources.items():
+        if key in written_from:
+            continue
+        fmt = source.fmt if isinstance(source, _Linear) else "its experts' formats"
+        raise ValueError(
+            f"{key.removesuffix('.weight')}: ModelOpt quantized it ({fmt}), but no tensor the "
+            f"checkpoint writes is made from its weight {key!r} (the model's state names it "
+            "otherwise, or leaves it out): its quantization config and its tensors would "
+            "disagree. Export the model whose state_dict() holds the key, or export it with "
+            "modelopt.torch.export.export_hf_checkpoint")
 
 
 def probe_share(model: nn.Module, state_of: Callable[[], dict[str, Any]], index: int,
@@ -511,6 +567,7 @@ def probe_share(model: nn.Module, state_of: Callable[[], dict[str, Any]], index:
     dtype = export_dtype(model)
     _ready(model, dtype, pre_quant)
     state = state_of()
+    _keep_quantized_aliases(model, state, sources)
     held = _held(state)
     units = _units(model, sources, held, None)
     groups = _by_quantizer(units)
@@ -592,6 +649,7 @@ def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = Non
     dtype = export_dtype(model)
     if probes is None:
         _ready(model, dtype)
+    _keep_quantized_aliases(model, state, sources)
     held = _held(state)
     out = Quantized()
     digest: list[tuple] = []

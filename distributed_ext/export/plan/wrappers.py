@@ -44,23 +44,36 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def wrapper_paths(model: nn.Module) -> set[str]:
+    """The paths of the wrappers' attributes inside ``model`` (``model.layers.0._orig_mod``):
+    the parts of its modules' and keys' names that the written keys drop."""
+    return {f"{name}.{attr}" if name else attr
+            for name, m in model.named_modules() if (attr := wrapper_attr(m)) is not None}
+
+
+def drop_wrapper_parts(name: str, paths: set[str]) -> str:
+    """``name`` (a key or a module's name) without the wrappers' attributes in ``paths``."""
+    if not paths:
+        return name
+    parts, path = [], ""
+    for part in name.split("."):
+        path = f"{path}.{part}" if path else part
+        if path not in paths:
+            parts.append(part)
+    return ".".join(parts)
+
+
 def strip_wrapper_keys(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (``model.state_dict()``) with the attribute of every wrapper inside
     ``model`` dropped from the keys below it; ValueError naming both keys where two would
     then be one."""
-    paths = {f"{name}.{attr}" if name else attr
-             for name, m in model.named_modules() if (attr := wrapper_attr(m)) is not None}
+    paths = wrapper_paths(model)
     if not paths:
         return state
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for key, value in state.items():
-        parts, path = [], ""
-        for part in key.split("."):
-            path = f"{path}.{part}" if path else part
-            if path not in paths:
-                parts.append(part)
-        new = ".".join(parts)
+        new = drop_wrapper_parts(key, paths)
         if new in out:
             raise ValueError(
                 f"model_or_state: state keys {origin[new]!r} and {key!r} are both {new!r} once "
