@@ -227,6 +227,15 @@ class ExportLock:
                          f"{self.path!r} kept changing under this export; another process "
                          "is churning it -- export into another directory")
 
+    @classmethod
+    def remove_if_free(cls, directory: str) -> None:
+        """Removes the lock file a dead export left in ``directory`` (a writer's cleanup after
+        dst died): taken first, so that a live export's is never removed (best effort)."""
+        if not os.path.lexists(os.path.join(directory, cls.NAME)):
+            return  # (none left: never make one)
+        with contextlib.suppress(OSError, ValueError):
+            cls(directory).release()
+
     def release(self) -> None:
         """Removes the lock file (while still holding it) and releases it; idempotent."""
         if self.fd is None:

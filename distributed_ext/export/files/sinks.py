@@ -18,6 +18,7 @@ import torch.nn as nn
 from distributed_ext import _direct_io, _native
 from distributed_ext.export.files.publish import (
     _STAGE_TAG,
+    ExportLock,
     Stage,
     _config_texts,
     _fsync_path,
@@ -326,6 +327,7 @@ class FileSink:
             self.stage.abort()
         elif self._join is not None and _STAGE_TAG in os.path.basename(self._join):
             _remove(self._join)  # (only ever a stage: never the user's directory)
+            ExportLock.remove_if_free(os.path.dirname(self._join))  # (dst's, if it died)
 
     def finish(self) -> None:
         """Writes what regions still hold and makes this rank's bytes durable (dst: every

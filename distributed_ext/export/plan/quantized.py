@@ -520,10 +520,33 @@ def _units(model: nn.Module, sources: dict[str, Any], held: dict[str, tuple],
                 f"export_hf_checkpoint does not write from the shards (it writes "
                 f"{', '.join(sorted(ROW_FORMATS))}); export it with "
                 "modelopt.torch.export.export_hf_checkpoint instead")
+        _check_blocks(unit, w.shape)
         units.append((w, unit))
     _check_every_source_written(sources, written_from)
     _UNITS.put(model, key, list(units))
     return units
+
+
+def _check_blocks(unit: _Unit, shape: tuple[int, ...]) -> None:
+    """ValueError naming the module, its format and what to change where the weight's
+    columns are not a whole number of its quantizer's blocks (ModelOpt's export refuses it
+    with an AssertionError or "Cannot pack", naming no module), or its rows not a whole
+    number of the rows its format packs together."""
+    step = ROW_FORMATS[unit.fmt]
+    blocks = getattr(unit.weight_quantizer, "block_sizes", None)
+    block = blocks.get(-1) if isinstance(blocks, dict) else None
+    if len(shape) == 2 and isinstance(block, int) and block > 0 and shape[1] % block:
+        raise ValueError(
+            f"{unit.name} ({unit.fmt}): its weight has {shape[1]} columns, not a multiple of "
+            f"the format's block of {block} columns, so ModelOpt cannot export it; make that "
+            f"dimension a multiple of {block} (the layer's input size: hidden_size or "
+            f"intermediate_size), quantize with a block size that divides {shape[1]}, or "
+            "leave this module unquantized (disable its weight quantizer)")
+    if len(shape) == 2 and shape[0] % step:
+        raise ValueError(
+            f"{unit.name} ({unit.fmt}): its weight has {shape[0]} rows, and the format packs "
+            f"{step} rows together; make that dimension a multiple of {step}, or leave this "
+            "module unquantized")
 
 
 def _check_every_source_written(sources: dict[str, Any], written_from: set[str]) -> None:
@@ -734,7 +757,12 @@ def _probe(w: _keys.Written, unit: _Unit, weight_dtype: torch.dtype, dtype: torc
 
     def ones(n: int) -> dict[str, torch.Tensor]:
         rows = torch.ones((n, shape[1]), dtype=weight_dtype, device=device_of(unit))
-        return _export_rows(unit, rows, 0, dtype)
+        try:
+            return _export_rows(unit, rows, 0, dtype)
+        except (AssertionError, NotImplementedError) as exc:  # (ModelOpt's, naming nothing)
+            raise ValueError(f"{unit.name} ({unit.fmt}): ModelOpt's export refuses this "
+                             f"weight of shape {list(shape)}: {exc}; change its quantization "
+                             "config, or leave this module unquantized") from exc
 
     one = ones(probe)
     # Which outputs grow with the rows depends on the format, the quantizer's setup and the

@@ -83,7 +83,7 @@ def fuse_shared_inputs(model: nn.Module) -> None:
         modules = [names[n] for n in group]
         if len(modules) > 1 and get_quantization_format(modules[0]) not in (
                 *_UNFUSED, "none", None):
-            preprocess_linear_fusion(modules)
+            _fuse_group(preprocess_linear_fusion, group, modules)
             fused[group[0]] = group
     # As ModelOpt: experts the forward did not reach are fused by their names' pattern.
     expert = _EXPERT
@@ -96,8 +96,21 @@ def fuse_shared_inputs(model: nn.Module) -> None:
             if renamed[0] not in fused and renamed[0] not in names:
                 break
             if renamed[0] not in fused and all(n in names for n in renamed):
-                preprocess_linear_fusion([names[n] for n in renamed])
+                _fuse_group(preprocess_linear_fusion, renamed, [names[n] for n in renamed])
             index += 1
+
+
+def _fuse_group(fuse: Any, group: list[str], modules: list[nn.Module]) -> None:
+    """ModelOpt's ``preprocess_linear_fusion`` of one group of linears that read one input;
+    its refusals (asserts that name no module) as a ValueError naming the group and the fix."""
+    try:
+        fuse(modules)
+    except (AssertionError, NotImplementedError) as exc:
+        raise ValueError(
+            f"{', '.join(group)}: these linears read one input, so ModelOpt's export gives "
+            f"them one input scale, and it refuses them: {exc or type(exc).__name__}. Quantize "
+            "them alike (one format, a per-tensor input quantizer), e.g. with one quant_cfg "
+            "entry for the whole layer") from exc
 
 
 class Resmooth:
@@ -357,11 +370,25 @@ def copy_quantizer(quantizer: nn.Module) -> nn.Module:
     tables over the same tensors (a deep copy costs a millisecond a call, and a call is made
     per 1 MiB of rows); a quantizer with submodules is copied deeply."""
     if quantizer._modules:
-        return copy.deepcopy(quantizer)
+        out = copy.deepcopy(quantizer)
+        for module in out.modules():
+            module._buffers = {k: _replicated_local(v) for k, v in module._buffers.items()}
+        return out
     out = copy.copy(quantizer)
-    out._buffers = dict(quantizer._buffers)
+    out._buffers = {k: _replicated_local(v) for k, v in quantizer._buffers.items()}
     out._parameters = dict(quantizer._parameters)
     return out
+
+
+def _replicated_local(value: Any) -> Any:
+    """A buffer as ModelOpt's arithmetic on a rank's rows takes it: a replicated DTensor (what
+    torch's ``distribute_module`` makes of a quantizer's amax under ``parallelize_module``)
+    as its local tensor, the whole of it; anything else as it is."""
+    placements = getattr(value, "placements", None)
+    if placements is not None and hasattr(value, "to_local") and all(
+            p.is_replicate() for p in placements):
+        return value.to_local()
+    return value
 
 
 def _detached(quantizer: nn.Module) -> nn.Module:
