@@ -246,7 +246,11 @@ def test_quantized_fsdp2_export_equals_modelopts_own(world, writers, tmp_path, r
     if world == 3:
         for odd in (r["odd"] for r in results):
             assert odd[0] == "ValueError", odd
-            assert "mlp.gate_proj (int4_awq)" in odd[1] and "rows 0..299" in odd[1], odd[1]
+            assert "mlp.gate_proj (int4_awq)" in odd[1], odd[1]
+            assert "holds its rows 0..298 (299 rows)" in odd[1], odd[1]  # (counted right)
+            # What a user of fsdp2_wrap can do: the worlds whose boundaries fall between pairs.
+            assert "FSDP2 (fsdp2_wrap) gives each rank ceil(896 / world) rows: at world 1, 2, " \
+                "4, 5, 6, 7 every boundary" in odd[1], odd[1]
             assert "multiple of 2" in odd[1], odd[1]
             assert not odd[2], odd  # nothing written
 

@@ -163,6 +163,20 @@ def _plan_written(w: _keys.Written, holdings: dict[str, Holding], distinct: dict
     return entry
 
 
+def _split_pair_message(key: str, t: Transform, rank: int, start: int, count: int,
+                        total: int) -> str:
+    """Why a shard boundary that splits rows packed together is refused, and what a user of
+    FSDP2 (``fsdp2_wrap``: ``ceil(rows / world)`` rows a rank) can do instead."""
+    even = [n for n in range(1, 17) if -(-total // n) % t.step == 0]
+    fsdp = (f" FSDP2 (fsdp2_wrap) gives each rank ceil({total} / world) rows: at world "
+            f"{', '.join(map(str, even[:6]))} every boundary falls between pairs;") if even else ""
+    return (f"{key!r}: {t.what} packs {t.step} rows of its weight together, but group rank "
+            f"{rank} holds its rows {start}..{start + count - 1} ({count} rows), so a shard "
+            f"boundary splits a packed pair.{fsdp} shard it so that each rank's rows start and "
+            f"end on a multiple of {t.step}, or export with "
+            "modelopt.torch.export.export_hf_checkpoint (which gathers the model on one rank)")
+
+
 def _computed_entry(w: _keys.Written, holdings: dict[str, Holding], distinct: dict[int, list],
                     dst_rank: int, load: _Load, keep: int | None, index: int) -> Entry:
     """A written tensor computed row block by row block (``w.transform``) from the tensor
@@ -188,11 +202,8 @@ def _computed_entry(w: _keys.Written, holdings: dict[str, Holding], distinct: di
                 f"of shape {list(b.shape)} (a shard boundary splits its rows); shard the "
                 "weight by rows (Shard(0), as FSDP2 does) to export it quantized")
         if b.offset[0] % t.step or b.shape[0] % t.step:
-            raise ValueError(
-                f"{w.key!r}: {t.what} computes {t.step} rows of its weight together, but group "
-                f"rank {p.rank} holds its rows {b.offset[0]}..{b.offset[0] + b.shape[0]} (a "
-                "shard boundary splits them); shard it so that each rank's rows start and end "
-                f"on a multiple of {t.step}")
+            raise ValueError(_split_pair_message(w.key, t, p.rank, b.offset[0], b.shape[0],
+                                                 shape[0]))
         if keep is not None and p.rank != keep:
             continue
         rows = b.shape[0] // t.step * t.out_rows
