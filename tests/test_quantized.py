@@ -93,14 +93,14 @@ def _export_shards(base: str, cases: list[tuple[str, str]], writers: str,
 
     import distributed_ext as dx
     from distributed_ext.export import rounds
-    from distributed_ext.export.plan import quantized, row_kernels
+    from distributed_ext.export.plan import probes, row_kernels
 
     probed: list[str] = []  # (the weights this rank probes)
-    probe_once = quantized._probe_once
-    quantized._probe_once = lambda w, *args: probed.append(w.key) or probe_once(w, *args)
+    probe_once = probes._probe_once
+    probes._probe_once = lambda w, *args: probed.append(w.key) or probe_once(w, *args)
     made: list[str] = []  # (those it asks ModelOpt to probe: a probe may serve two weights)
-    probe = quantized._probe
-    quantized._probe = lambda w, *args: made.append(w.key) or probe(w, *args)
+    probe = probes._probe
+    probes._probe = lambda w, *args: made.append(w.key) or probe(w, *args)
     import modelopt.torch.export.quant_utils as quant_utils
 
     configs = [0]  # (how often this rank asks ModelOpt for the model's quantization config)
@@ -405,7 +405,7 @@ def test_a_second_export_sees_the_quantizers_as_they_are_then(tmp_path):
 
 
 def test_probe_ranges_cover_every_weight_once_the_last_rank_less_for_the_config():
-    from distributed_ext.export.plan.quantized import probe_range
+    from distributed_ext.export.plan.probes import probe_range
 
     for count in range(1, 9):
         for weights in (0, 1, 2, 7, 64, 294, 1940):

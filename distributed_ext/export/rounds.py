@@ -52,6 +52,7 @@ from distributed_ext.export.files.publish import _commit_round
 from distributed_ext.export.files.sinks import FileSink
 from distributed_ext.export.files.writers import resolve_writers
 from distributed_ext.export.plan import keys as _keys
+from distributed_ext.export.plan import probes as _probes
 from distributed_ext.export.plan import quantized as _quantized
 from distributed_ext.export.plan import shared_inputs as _shared_inputs
 from distributed_ext.export.plan.entries import (
@@ -307,7 +308,7 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     for the metadata round to take instead of resolving it again (0.02 s a call for a 1 GiB
     Llama; a rank's failure there is agreed as in the metadata round); else None."""
     state: dict[str, Any] | None = None
-    Share = tuple[dict[str, _quantized.Probe] | None, dict[str, Any] | None]
+    Share = tuple[dict[str, _probes.Probe] | None, dict[str, Any] | None]
 
     def share(pre_quant: bool) -> Share:
         """This rank's probes, and the config where it asks it; ``pre_quant``: whether the
@@ -316,7 +317,7 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
         nonlocal state
         if count == 1:  # (prepare probes them all: the same, with no second look at them)
             return None, None
-        probes, state, config = _quantized.probe_share(
+        probes, state, config = _probes.probe_share(
             model, lambda: resolve_state(model)[0], index, count, pre_quant=pre_quant)
         return probes, config
 
@@ -356,12 +357,12 @@ class _Fused:
     quantizes run in :func:`plan.quantized.prepare`), ModelOpt's quantization config where
     a rank asked it, and this rank's state where it was resolved there."""
 
-    probes: dict[str, _quantized.Probe] | None = None
+    probes: dict[str, _probes.Probe] | None = None
     config: dict[str, Any] | None = None
     state: dict[str, Any] | None = None
 
 
-def _merge_shares(shares: list[tuple[dict[str, _quantized.Probe] | None,
+def _merge_shares(shares: list[tuple[dict[str, _probes.Probe] | None,
                                      dict[str, Any] | None]],
                   state: dict[str, Any] | None) -> _Fused:
     """The ranks' shares of the probes as one dict (a weight no share has is probed where it
