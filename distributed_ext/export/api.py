@@ -19,7 +19,7 @@ from distributed_ext.export.files.writers import WRITERS, check_writers
 from distributed_ext.export.plan.quantized import Quantized
 from distributed_ext.export.plan.safetensors import layout_files, parse_shard_size
 from distributed_ext.export.plan.types import Entry
-from distributed_ext.export.rounds import _export
+from distributed_ext.export.rounds import Call, _export
 
 __all__ = ["export_hf_checkpoint", "gather_full_state"]
 
@@ -110,7 +110,7 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
         shard_value: Any = parse_shard_size(max_shard_size)
     except (TypeError, ValueError):
         shard_value = max_shard_size  # raised by check() inside the round, on this rank
-    extra = (("max_shard_size", shard_value), ("directory", path), ("writers", writers))
+    agreed = (("max_shard_size", shard_value), ("directory", path), ("writers", writers))
 
     def check() -> None:
         parse_shard_size(max_shard_size)
@@ -119,9 +119,9 @@ def export_hf_checkpoint(model_or_state: nn.Module | dict, directory: str | os.P
         check_directory(path, what, on_dst=me == dst)
 
     with _cyclic_gc_paused():
-        _export(model_or_state, dst, group, make_sink, chunk_bytes, what,
-                extra_args=extra, commit=True, check=check,
-                writers=writers if writers in WRITERS else "dst", quantize=True)
+        _export(Call(model_or_state, dst, group, make_sink, chunk_bytes, what,
+                     agreed=agreed, directory=path, commit=True, check=check,
+                     writers=writers if writers in WRITERS else "dst", quantize=True))
 
 
 def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
@@ -142,7 +142,7 @@ def gather_full_state(model_or_state: nn.Module | dict, dst: int = 0,
     """
     what = "gather_full_state"
     with _cyclic_gc_paused():
-        sink, _model = _export(model_or_state, dst, group,
-                               lambda entries, model, _join, _q: MemorySink(entries, model), None,
-                               what, hub_keys=hub_keys)
+        sink, _model = _export(Call(model_or_state, dst, group,
+                                    lambda entries, model, _join, _q: MemorySink(entries, model),
+                                    None, what, hub_keys=hub_keys))
     return None if sink is None else sink.tensors

@@ -74,214 +74,279 @@ from distributed_ext.export.transport.transfer import EXPORT_CHUNK_BYTES, _write
 from distributed_ext.plan import recorded_plan
 
 
-def _export(model_or_state: nn.Module | dict, dst: int, group: dist.ProcessGroup | None,
-            make_sink: Callable[[list[Entry], nn.Module | None, str | None,
-                                 Quantized | None], Any],
-            chunk_bytes: int | None, what: str, hub_keys: bool = True,
-            extra_args: tuple[tuple[str, Any], ...] = (), commit: bool = False,
-            check: Callable[[], Any] | None = None, writers: str = "dst",
-            quantize: bool = False) -> tuple[Any, nn.Module | None]:
-    """The rounds of the module docstring; returns (dst's sink, the model).
+@dataclass
+class Call:
+    """One export's arguments, each under its own name on its way down the rounds.
 
-    ``make_sink(entries, model, join)`` runs on dst in the preparing round (its failure is
-    agreed); with ``writers`` "all" or "auto" (:mod:`files.writers`), where every rank sees dst's
-    stage, it runs on every other rank too, with ``join`` that stage's path. With ``commit``,
-    dst commits the sink in a last round that every rank joins, so that no rank returns
-    before the checkpoint is in place and a failed commit is raised on every rank.
-    ``check()`` validates the caller's own arguments (``extra_args``) on every rank, inside
-    the metadata round. ``quantize``: a model ModelOpt quantized is written as ModelOpt's
-    export writes it (:mod:`plan.quantized`: its layers that share an input fused first, in
-    a round of their own, then every quantized weight computed from each rank's rows);
-    ``make_sink`` then gets its JSON files.
-    """
+    ``make_sink(entries, model, join, quantized)`` runs on dst in the preparing round (its
+    failure is agreed); with ``writers`` "all" or "auto" (:mod:`files.writers`), where every
+    rank sees dst's stage, it runs on every other rank too, with ``join`` that stage's path.
+    ``agreed``: the caller's own arguments, compared between ranks in the metadata round
+    (``check()`` validates them there, on every rank). ``commit``: dst commits the sink in a
+    last round every rank joins. ``quantize``: a model ModelOpt quantized is written as
+    ModelOpt's export writes it (:mod:`plan.quantized`)."""
 
-    fused = _Fused()  # (every rank's probes, this rank's state: _fuse_quantized)
-    _keys.forget()  # (what an earlier export remembered: the model may have changed since)
-    _quantized.forget()
+    model_or_state: nn.Module | dict
+    dst: int
+    group: dist.ProcessGroup | None
+    make_sink: Callable[[list[Entry], nn.Module | None, str | None, Quantized | None], Any]
+    chunk_bytes: int | None
+    what: str
+    hub_keys: bool = True
+    agreed: tuple[tuple[str, Any], ...] = ()
+    directory: str | None = None
+    commit: bool = False
+    check: Callable[[], Any] | None = None
+    writers: str = "dst"
+    quantize: bool = False
 
-    def resolve_chunk() -> int:
-        chunk = EXPORT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    def chunk(self) -> int:
+        chunk = EXPORT_CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
-            raise ValueError(f"{what}: chunk_bytes must be a positive int (bytes per "
-                             f"transport message), got {chunk_bytes!r}")
+            raise ValueError(f"{self.what}: chunk_bytes must be a positive int (bytes per "
+                             f"transport message), got {self.chunk_bytes!r}")
         return chunk
 
-    def plan(described: list[Described], model: nn.Module | None, dst_rank: int,
-             ranks: list[int], keep: int | None = None, spread: bool = False) -> list[Entry]:
-        holdings = merge_holdings(described, ranks, dst_rank,
-                                  agree_plan([d.plan for d in described], ranks))
-        written = None
-        if hub_keys and model is not None:
-            written = _keys.resolve_written(model, {
-                k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()},
-                described[dst_rank].converts)
-        if written is not None and held.get("quantized") is not None:
-            written = _quantized.apply(written, held["quantized"])
-        entries = plan_entries(holdings, written, dst_rank, ranks, keep, spread)
-        check_keys(entries)
-        return entries
+    @property
+    def quantized_model(self) -> bool:
+        return self.quantize and self.hub_keys and isinstance(self.model_or_state, nn.Module)
 
-    def describe(held: dict[str, Any]) -> Described:
-        chunk = resolve_chunk()
-        if check is not None:
-            check()
-        # Inside the agreed round: a state_dict() hook that raises on one rank is raised
-        # on every rank, not by that rank alone (as in the quantized layers' round, where
-        # it was resolved already if there is one).
-        if fused.state is not None:
-            state, model = fused.state, unwrap(model_or_state)
-        else:
-            state, model = resolve_state(model_or_state)
-        quantized = None
-        if quantize and hub_keys and model is not None:
-            # (state rewritten as ModelOpt writes it; a format not written by blocks raises)
-            quantized = _quantized.prepare(model, state, probes=fused.probes,
-                                           quant_config=fused.config)
-        recorded = recorded_plan(model) if model is not None else None
-        # Each key's local block, looked up once here: the transfer reads these.
-        local: dict[str, torch.Tensor] = {}
-        described = describe_state(state, None if recorded is None else astuple(recorded),
-                                   local)
-        # Every rank must compute the same tensors from the same calibration: agreed here.
-        described.args = _Args(dst, chunk, extra_args + (
-            ("the quantized model (formats, shapes, scales)",
-             None if quantized is None else quantized.digest),) if quantize else extra_args)
-        if hub_keys and model is not None and runtime.rank() == dst:
-            # Whether transformers converts this model's keys, decided once, on dst: its
-            # table of conversions (900 regular expressions) costs 0.07-0.2 s to build in
-            # each process, which every rank of a host would otherwise pay at once on its
-            # cores (and not built at all where the model's names are not in it).
-            described.converts = _keys.has_conversions(model)
-        held.update(local=local, model=model, chunk=chunk, described=described,
-                    quantized=quantized)
-        return described.summary()
 
+@dataclass
+class _Held:
+    """What the metadata round found on this rank: its entries' local blocks, the model, the
+    chunk size, its Described, and the quantized model's plan."""
+
+    local: dict[str, torch.Tensor]
+    model: nn.Module | None
+    chunk: int
+    described: Described
+    quantized: Quantized | None
+
+
+@dataclass
+class _Parts:
+    """The preparing rounds' products on this rank: dst's (or a joined writer's) sink and
+    the prepared transfer."""
+
+    sink: Any = None
+    prepared: Any = None
+
+    def release(self) -> None:
+        """A failed round's cleanup: the buffers released and dst's stage removed."""
+        if self.prepared is not None:
+            self.prepared.release()
+            self.prepared.release_local()
+        if self.sink is not None:
+            self.sink.abort()
+
+
+def _export(call: Call) -> tuple[Any, nn.Module | None]:
+    """The rounds of the module docstring; returns (dst's sink, the model)."""
+    _keys.forget()  # (what an earlier export remembered: the model may have changed since)
+    _quantized.forget()
     if not runtime.is_initialized():
-        _require_group_if_launched(what)
-        if dst != 0:
-            raise ValueError(f"{what}: dst={dst}, but there is no process group: the one "
-                             "process is rank 0 (pass dst=0, or set the group up first)")
-        if quantize and hub_keys and isinstance(model_or_state, nn.Module):
-            inner = unwrap(model_or_state)
-            if _shared_inputs.needs_gather(inner):
-                _shared_inputs.fuse_pre_quant_scales_alone(inner)
-        held: dict[str, Any] = {}
-        describe(held)
-        state, model = held["local"], held["model"]
-        entries = plan([held["described"]], model, 0, [0])
-        sink = make_sink(entries, model, None, held["quantized"])
-        prepared = None
-        try:
-            prepared = _prepare_transfer(state, entries, None, 0, held["chunk"])
-            _write_own(prepared.stager, sink, prepared.messages)
-            if commit:
-                sink.commit()
-        except BaseException:
-            sink.abort()
-            raise
-        finally:
-            if prepared is not None:
-                prepared.release()
-        return sink, model
-    ctx = _agree.resolve_group(group, what)
-    if quantize and hub_keys and isinstance(model_or_state, nn.Module):
-        fused = _fuse_quantized(unwrap(model_or_state), group, what, ctx.rank, ctx.size)
+        return _export_alone(call)
+    ctx = _agree.resolve_group(call.group, call.what)
+    fused = _fuse_quantized(unwrap(call.model_or_state), call.group, call.what, ctx.rank,
+                            ctx.size) if call.quantized_model else _Fused()
     with _watch.DeferredInterrupts() as deferred:
-        held = {}
-        summaries = all_reduce(f"{what} (metadata)", lambda: describe(held), list, group)
-        described = resolve_described(summaries, held["described"], what, group)
-        # From here on every rank computes the same from the same metadata: an error below is
-        # raised by every rank alike.
-        _check_args(described, ctx, what)
-        dst_rank = ctx.group_rank_of(dst)
+        held, described = _metadata_round(call, fused, ctx)
+        dst_rank = ctx.group_rank_of(call.dst)
         if dst_rank is None:
-            raise ValueError(f"{what}: dst={dst} is not a member of the group (global ranks "
-                             f"{ctx.ranks}); pass the global rank of one of them")
-        state, model, chunk = held["local"], held["model"], held["chunk"]
+            raise ValueError(f"{call.what}: dst={call.dst} is not a member of the group (global "
+                             f"ranks {ctx.ranks}); pass the global rank of one of them")
         # A sender makes only its own pieces; dst all of them (it lays out the files). Where
         # every rank may write its own bytes, replicated blocks are split between their
         # holders (planned again without, should the ranks turn out not to share the files).
         keep = None if ctx.rank == dst_rank else ctx.rank
-        entries = plan(described, model, dst_rank, ctx.ranks, keep, spread=writers != "dst")
-        parts: dict[str, Any] = {"sink": None, "prepared": None}
+        entries = _plan(call, held, described, dst_rank, ctx.ranks, keep,
+                        spread=call.writers != "dst")
+        parts = _Parts()
+        _preparing_round(call, held, ctx, parts, entries, dst_rank, deferred)
+        if call.writers != "dst":
+            _writers_rounds(call, held, described, ctx, parts, entries, dst_rank, keep, deferred)
+        _data_round(call, held, ctx, parts, dst_rank, deferred)
+        sink = parts.sink if ctx.rank == dst_rank else None  # (a writer's own: closed)
+        if call.commit:
+            _commit_round(sink, ctx, deferred, call.what)
+    return sink, held.model
 
-        def release() -> None:
-            """A failed round's cleanup: the buffers released and dst's stage removed."""
-            if parts["prepared"] is not None:
-                parts["prepared"].release()
-                parts["prepared"].release_local()
-            if parts["sink"] is not None:
-                parts["sink"].abort()
 
-        def agreed(stage: str, step: Callable[[], Any]) -> list[_agree.Status]:
-            """Runs ``step`` here and agrees its outcome (every rank's status, with the fields
-            it returned); on any failure (on any rank) every rank cleans up
-            (:func:`release`) and raises."""
-            return _agree.agree(what, ctx, step, stage=stage, cleanup=release)
+def _export_alone(call: Call) -> tuple[Any, nn.Module | None]:
+    """The export in one process with no process group: the same plan, dst writing it all."""
+    _require_group_if_launched(call.what)
+    if call.dst != 0:
+        raise ValueError(f"{call.what}: dst={call.dst}, but there is no process group: the one "
+                         "process is rank 0 (pass dst=0, or set the group up first)")
+    if call.quantized_model:
+        inner = unwrap(call.model_or_state)
+        if _shared_inputs.needs_gather(inner):
+            _shared_inputs.fuse_pre_quant_scales_alone(inner)
+    held = _describe(call, _Fused())
+    entries = _plan(call, held, [held.described], 0, [0])
+    sink = call.make_sink(entries, held.model, None, held.quantized)
+    prepared = None
+    try:
+        prepared = _prepare_transfer(held.local, entries, None, 0, held.chunk)
+        _write_own(prepared.stager, sink, prepared.messages)
+        if call.commit:
+            sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+    finally:
+        if prepared is not None:
+            prepared.release()
+    return sink, held.model
 
-        def prepare() -> None:
-            interrupted = deferred.take()  # one that landed in the metadata round fails here
-            if interrupted is not None:
-                raise interrupted
-            if ctx.rank == dst_rank:
-                parts["sink"] = make_sink(entries, model, None, held["quantized"])
-            if writers == "dst":
-                parts["prepared"] = _prepare_transfer(state, entries, ctx, dst_rank, chunk)
 
-        agreed("preparing", prepare)
-        mode, mapped = "dst", False
-        if writers != "dst":
-            try:
-                mode, stage, mapped = resolve_writers(
-                    writers, None if parts["sink"] is None else parts["sink"].stage.path, ctx,
-                    dst_rank, group, what, dict(extra_args).get("directory"))
-            except BaseException:
-                release()
-                raise
+def _describe(call: Call, fused: _Fused) -> _Held:
+    """This rank's entries described (run inside the metadata round, so that a
+    ``state_dict()`` hook or a check that raises on one rank is raised on every rank)."""
+    chunk = call.chunk()
+    if call.check is not None:
+        call.check()
+    if fused.state is not None:  # (resolved in the quantized layers' round already)
+        state, model = fused.state, unwrap(call.model_or_state)
+    else:
+        state, model = resolve_state(call.model_or_state)
+    quantized = None
+    if call.quantize and call.hub_keys and model is not None:
+        # (state rewritten as ModelOpt writes it; a format not written by blocks raises)
+        quantized = _quantized.prepare(model, state, probes=fused.probes,
+                                       quant_config=fused.config)
+    recorded = recorded_plan(model) if model is not None else None
+    local: dict[str, torch.Tensor] = {}  # (each key's local block, looked up once here)
+    described = describe_state(state, None if recorded is None else astuple(recorded), local)
+    # Every rank must compute the same tensors from the same calibration: agreed here.
+    described.args = _Args(call.dst, chunk, call.agreed + (
+        ("the quantized model (formats, shapes, scales)",
+         None if quantized is None else quantized.digest),) if call.quantize else call.agreed)
+    if call.hub_keys and model is not None and runtime.rank() == call.dst:
+        # Whether transformers converts this model's keys, decided once, on dst: its table of
+        # conversions (900 regular expressions) is costly to build in each process, which
+        # every rank of a host would otherwise pay at once on its cores.
+        described.converts = _keys.has_conversions(model)
+    return _Held(local, model, chunk, described, quantized)
 
-            def joined_layout() -> FileSink:
-                """The files; a sender opens them (joins dst's stage) here."""
-                if parts["sink"] is None:
-                    parts["sink"] = make_sink(entries, model, stage, held["quantized"])
-                return parts["sink"]
 
-            def join() -> tuple[int]:
-                nonlocal entries
-                if mode == "dst":  # (auto, where some rank does not see the files)
-                    entries = plan(described, model, dst_rank, ctx.ranks, keep)
-                parts["prepared"] = _prepare_transfer(
-                    state, entries, ctx, dst_rank, chunk, local=mode == "all",
-                    layout=joined_layout, mapped=mapped)
-                if mode == "all":
-                    parts["prepared"].stop = StopSignal(stage, ctx.size, deferred)
-                edges = parts["prepared"].edges
-                if edges is None:
-                    return (0, 0)
-                return (int(len(edges.rows) > 0), int(bool(edges.zones)))
+def _metadata_round(call: Call, fused: _Fused, ctx: _agree.GroupContext
+                    ) -> tuple[_Held, list[Described]]:
+    """Every rank describes its entries; every rank gets every rank's Described, and raises
+    alike where the ranks passed different arguments."""
+    mine: list[_Held] = []
 
-            # (Each rank's status fields say whether it has fragments of shared blocks, and
-            # whether it writes, sends or receives TP rows' regions.)
-            statuses = agreed("preparing the writers", join)
-            fragments = any(s.fields[0] for s in statuses)
-            if fragments or any(s.fields[1] for s in statuses):
-                agreed("preparing the shared blocks", lambda: _edges.prepare_round(
-                    parts["prepared"].edges, parts["sink"], entries, state, ctx, dst_rank,
-                    _edges.round_cap(chunk), what, resolve=fragments))
-        sink, prepared = parts["sink"], parts["prepared"]
-        assert prepared is not None
-        try:
-            failure = _write_data(state, prepared, sink, ctx, dst_rank, what)
-        except _watch.PeerFailure as exc:
-            if sink is not None:
-                sink.abort()
-            raise _agree.peer_failure_error(what, exc) from exc.cause
-        _agree.agree(what, ctx, failure=failure or deferred.take(), stage="transfer",
-                     cleanup=None if sink is None else sink.abort)
-        if ctx.rank != dst_rank:
-            sink = None  # (a writer's own files: closed; dst publishes them)
-        if commit:
-            _commit_round(sink, ctx, deferred, what)
-    return sink, model
+    def describe() -> Described:
+        mine.append(_describe(call, fused))
+        return mine[-1].described.summary()
+
+    summaries = all_reduce(f"{call.what} (metadata)", describe, list, call.group)
+    described = resolve_described(summaries, mine[-1].described, call.what, call.group)
+    # From here on every rank computes the same from the same metadata: an error below is
+    # raised by every rank alike.
+    _check_args(described, ctx, call.what)
+    return mine[-1], described
+
+
+def _plan(call: Call, held: _Held, described: list[Described], dst_rank: int,
+          ranks: list[int], keep: int | None = None, spread: bool = False) -> list[Entry]:
+    """The entries, computed alike on every rank from every rank's Described."""
+    holdings = merge_holdings(described, ranks, dst_rank,
+                              agree_plan([d.plan for d in described], ranks))
+    written = None
+    if call.hub_keys and held.model is not None:
+        written = _keys.resolve_written(held.model, {
+            k: (_DTYPE_BY_NAME[h.sig.dtype], h.sig.shape) for k, h in holdings.items()},
+            described[dst_rank].converts)
+    if written is not None and held.quantized is not None:
+        written = _quantized.apply(written, held.quantized)
+    entries = plan_entries(holdings, written, dst_rank, ranks, keep, spread)
+    check_keys(entries)
+    return entries
+
+
+def _agreed(call: Call, ctx: _agree.GroupContext, parts: _Parts, stage: str,
+            step: Callable[[], Any]) -> list[_agree.Status]:
+    """Runs ``step`` here and agrees its outcome (every rank's status, with the fields it
+    returned); on any failure (on any rank) every rank releases its parts and raises."""
+    return _agree.agree(call.what, ctx, step, stage=stage, cleanup=parts.release)
+
+
+def _preparing_round(call: Call, held: _Held, ctx: _agree.GroupContext, parts: _Parts,
+                     entries: list[Entry], dst_rank: int,
+                     deferred: _watch.DeferredInterrupts) -> None:
+    """dst makes the files; with one writer, every rank its transfer's buffers."""
+
+    def prepare() -> None:
+        interrupted = deferred.take()  # one that landed in the metadata round fails here
+        if interrupted is not None:
+            raise interrupted
+        if ctx.rank == dst_rank:
+            parts.sink = call.make_sink(entries, held.model, None, held.quantized)
+        if call.writers == "dst":
+            parts.prepared = _prepare_transfer(held.local, entries, ctx, dst_rank, held.chunk)
+
+    _agreed(call, ctx, parts, "preparing", prepare)
+
+
+def _writers_rounds(call: Call, held: _Held, described: list[Described],
+                    ctx: _agree.GroupContext, parts: _Parts, entries: list[Entry],
+                    dst_rank: int, keep: int | None,
+                    deferred: _watch.DeferredInterrupts) -> None:
+    """Who writes (:func:`files.writers.resolve_writers`); every rank joins dst's stage where
+    it writes its own bytes; then who writes each block their runs share."""
+    try:
+        mode, stage, mapped = resolve_writers(
+            call.writers, None if parts.sink is None else parts.sink.stage.path, ctx,
+            dst_rank, call.group, call.what, call.directory)
+    except BaseException:
+        parts.release()
+        raise
+
+    def joined_layout() -> FileSink:
+        """The files; a sender opens them (joins dst's stage) here."""
+        if parts.sink is None:
+            parts.sink = call.make_sink(entries, held.model, stage, held.quantized)
+        return parts.sink
+
+    def join() -> tuple[int, int]:
+        nonlocal entries
+        if mode == "dst":  # (auto, where some rank does not see the files)
+            entries = _plan(call, held, described, dst_rank, ctx.ranks, keep)
+        parts.prepared = _prepare_transfer(held.local, entries, ctx, dst_rank, held.chunk,
+                                           local=mode == "all", layout=joined_layout,
+                                           mapped=mapped)
+        if mode == "all":
+            parts.prepared.stop = StopSignal(stage, ctx.size, deferred)
+        edges = parts.prepared.edges
+        if edges is None:
+            return (0, 0)
+        return (int(len(edges.rows) > 0), int(bool(edges.zones)))
+
+    # (Each rank's status fields say whether it has fragments of shared blocks, and whether
+    # it writes, sends or receives TP rows' regions.)
+    statuses = _agreed(call, ctx, parts, "preparing the writers", join)
+    fragments = any(s.fields[0] for s in statuses)
+    if fragments or any(s.fields[1] for s in statuses):
+        _agreed(call, ctx, parts, "preparing the shared blocks", lambda: _edges.prepare_round(
+            parts.prepared.edges, parts.sink, entries, held.local, ctx, dst_rank,
+            _edges.round_cap(held.chunk), call.what, resolve=fragments))
+
+
+def _data_round(call: Call, held: _Held, ctx: _agree.GroupContext, parts: _Parts,
+                dst_rank: int, deferred: _watch.DeferredInterrupts) -> None:
+    """The bytes move; then every rank agrees whether any rank failed."""
+    sink, prepared = parts.sink, parts.prepared
+    assert prepared is not None
+    try:
+        failure = _write_data(held.local, prepared, sink, ctx, dst_rank, call.what)
+    except _watch.PeerFailure as exc:
+        if sink is not None:
+            sink.abort()
+        raise _agree.peer_failure_error(call.what, exc) from exc.cause
+    _agree.agree(call.what, ctx, failure=failure or deferred.take(), stage="transfer",
+                 cleanup=None if sink is None else sink.abort)
 
 
 def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str,
