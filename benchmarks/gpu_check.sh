@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared script for a GPU session (issue 13): build the CUDA extension, run every
+# The one prepared script for a lent GPU machine (issue 13): build the CUDA extension, run every
 # `cuda`-marked test, then the device benchmarks; everything lands in one results folder.
 #
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]      (default: $OUT, else ./gpu-results)

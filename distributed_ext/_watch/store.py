@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -18,25 +19,32 @@ CHECK_EVERY_S = 0.5
 GONE_AFTER_S = 1.5
 
 
-def _silent_after_s(strict: bool = True) -> float:
-    """``DISTRIBUTED_EXT_SILENT_AFTER_S`` (default 90): checked at import (a ValueError
-    then, before any collective); read again by each watched wait, so that a launcher or a
-    test may set it after import (a bad value there falls back to 90 with a warning: a
-    watch must not raise on one rank mid-collective)."""
-    raw = os.environ.get("DISTRIBUTED_EXT_SILENT_AFTER_S", "90")
+def env_seconds(name: str, default: float, valid: Callable[[float], bool], expected: str,
+                strict: bool) -> float:
+    """The seconds of environment variable ``name`` (``default`` where unset). A value that
+    is not a number or fails ``valid``: ValueError saying ``expected`` where ``strict``
+    (checked at import, before any collective), else a note on stderr and ``default`` (read
+    again by each wait, which must not raise on one rank mid-collective)."""
+    raw = os.environ.get(name, f"{default:g}")
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if not value > GONE_AFTER_S:
-        message = (f"DISTRIBUTED_EXT_SILENT_AFTER_S={raw!r}: expected a number of seconds "
-                   f"above {GONE_AFTER_S} (how long a silent peer is waited for before it is "
-                   "named dead); unset it for the default 90")
-        if strict:
-            raise ValueError(message)
-        sys.stderr.write(f"distributed_ext: {message}; using 90\n")
-        return 90.0
-    return value
+        value = float("nan")
+    if valid(value):
+        return value
+    message = f"{name}={raw!r}: expected {expected}; unset it for the default {default:g}"
+    if strict:
+        raise ValueError(message)
+    sys.stderr.write(f"distributed_ext: {message}; using {default:g}\n")
+    return default
+
+
+def _silent_after_s(strict: bool = True) -> float:
+    """``DISTRIBUTED_EXT_SILENT_AFTER_S`` (default 90): how long a silent peer is waited for
+    (:func:`env_seconds`)."""
+    return env_seconds("DISTRIBUTED_EXT_SILENT_AFTER_S", 90.0, lambda v: v > GONE_AFTER_S,
+                       f"a number of seconds above {GONE_AFTER_S} (how long a silent peer is "
+                       "waited for before it is named dead)", strict)
 
 
 SILENT_AFTER_S = _silent_after_s()

@@ -13,10 +13,10 @@ most ``HEARTBEAT_INTERVAL_S`` later, never a store call on the caller's path).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from distributed_ext import _native
-from distributed_ext._watch.store import watch_client
+from distributed_ext._watch.store import env_seconds, watch_client
 
 _NOTE_KEY = "distributed_ext/where-call/"
 _SEP = "\x1f"
@@ -38,24 +38,15 @@ _log = logging.getLogger("distributed_ext")
 
 def _warn_every_s(strict: bool = True) -> float | None:
     """``DISTRIBUTED_EXT_WAIT_WARNING_S``: seconds between a waiting rank's warnings naming
-    its absent peers (default 30; ``0`` or ``off`` turns them off: None). Checked at import
-    (ValueError), read again by each wait (a bad value then falls back to 30, with a note)."""
+    its absent peers (default 30; ``0`` or ``off`` turns them off: None); read as
+    :func:`~distributed_ext._watch.store.env_seconds`."""
     raw = os.environ.get("DISTRIBUTED_EXT_WAIT_WARNING_S", "30").strip()
     if raw.lower() in ("0", "off", "none", "false", "no"):
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        message = (f"DISTRIBUTED_EXT_WAIT_WARNING_S={raw!r}: expected a positive number of "
-                   "seconds between warnings about absent ranks, or 0/off for none; unset it "
-                   "for the default 30")
-        if strict:
-            raise ValueError(message)
-        sys.stderr.write(f"distributed_ext: {message}; using 30\n")
-        return 30.0
-    return value
+    return env_seconds("DISTRIBUTED_EXT_WAIT_WARNING_S", 30.0,
+                       lambda v: 0 < v < float("inf"),
+                       "a positive number of seconds between warnings about absent ranks, or "
+                       "0/off for none", strict)
 
 
 WARN_EVERY_S = _warn_every_s()
@@ -63,7 +54,13 @@ WARN_EVERY_S = _warn_every_s()
 
 def group_key(ranks: list[int]) -> str:
     """A short name of a group by its members' global ranks (the same on every member)."""
-    return hashlib.blake2b(repr(tuple(ranks)).encode(), digest_size=6).hexdigest()
+    return _group_key(tuple(ranks))
+
+
+@functools.lru_cache(maxsize=64)
+def _group_key(ranks: tuple[int, ...]) -> str:
+    # (cached: asked at every wait's entry and status round, the ranks of a world of 1000s)
+    return hashlib.blake2b(repr(ranks).encode(), digest_size=6).hexdigest()
 
 
 @dataclass

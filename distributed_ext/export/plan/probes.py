@@ -15,12 +15,10 @@ from distributed_ext.export.plan import keys as _keys
 from distributed_ext.export.plan.quant_rows import _by_rows, _export_rows, device_of
 from distributed_ext.export.plan.quantizers import (
     ROW_FORMATS,
-    _held,
-    _keep_quantized_aliases,
     _sources,
     _Unit,
-    _units,
     export_dtype,
+    held_units,
 )
 from distributed_ext.export.plan.shared_inputs import fuse_shared_inputs, needs_gather, sync_amax
 
@@ -63,9 +61,7 @@ def probe_share(model: nn.Module, state_of: Callable[[], dict[str, Any]], index:
     dtype = export_dtype(model)
     _ready(model, dtype, pre_quant)
     state = state_of()
-    _keep_quantized_aliases(model, state, sources)
-    held = _held(state)
-    units = _units(model, sources, held, None)
+    held, units = held_units(model, state, sources, None)
     groups = _by_quantizer(units)
     first, end = probe_range(index, count, len(groups), len(sources))
     asked: dict[tuple, Probe] = {}

@@ -54,15 +54,7 @@ from distributed_ext.export.plan.quant_rows import (
     _weight_scale_rows,
     device_of,
 )
-from distributed_ext.export.plan.quantizers import (
-    ROW_FORMATS,
-    _held,
-    _keep_quantized_aliases,
-    _sources,
-    _Unit,
-    _units,
-    export_dtype,
-)
+from distributed_ext.export.plan.quantizers import ROW_FORMATS, _sources, _Unit, export_dtype, held_units
 from distributed_ext.export.plan.row_kernels import RowsFn, fast_rows, keep_tables_for
 from distributed_ext.export.plan.types import Transform
 
@@ -108,14 +100,13 @@ def prepare(model: nn.Module, state: dict[str, Any], converts: bool | None = Non
     dtype = export_dtype(model)
     if probes is None:
         _ready(model, dtype)
-    _keep_quantized_aliases(model, state, sources)
-    held = _held(state)
+    held, units = held_units(model, state, sources, converts)
     out = Quantized()
     digest: list[tuple] = []
     extra: dict[str, torch.Tensor] = {}
     fasts: list[RowsFn | None] = []
     asked: dict[tuple, Probe] = {}
-    for w, unit in _units(model, sources, held, converts):
+    for w, unit in units:
         weight_dtype = held[w.parts[0].source][0]
         probe = None if probes is None else probes.get(w.key)
         if probe is None:

@@ -312,6 +312,16 @@ def _held(state: dict[str, Any]) -> dict[str, tuple]:
     return {k: (v.dtype, tuple(v.shape)) for k, v in state.items()
             if isinstance(v, torch.Tensor)}
 
+def held_units(model: nn.Module, state: dict[str, Any], sources: dict[str, Any],
+               converts: bool | None) -> tuple[dict[str, tuple], list[tuple[_keys.Written, _Unit]]]:
+    """The keys ``state`` holds (a quantized tied alias put back first:
+    :func:`_keep_quantized_aliases`) and each written quantized weight's unit
+    (:func:`_units`): what the probes and the plan both start from."""
+    _keep_quantized_aliases(model, state, sources)
+    held = _held(state)
+    return held, _units(model, sources, held, converts)
+
+
 def forget() -> None:
     """Drops the quantized weights and units an earlier export remembered."""
     _SOURCES.forget()
