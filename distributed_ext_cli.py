@@ -1,4 +1,4 @@
-"""The console entry of ``distributed-ext-bench``, outside the package on purpose.
+"""The console entries of ``distributed-ext-bench`` and ``distributed-ext``, outside the package on purpose.
 
 Importing ``distributed_ext`` imports torch (a second or more): a Ctrl-C then would print a
 traceback from deep inside an import. This module imports nothing heavy itself, so it can
@@ -40,6 +40,16 @@ def bench() -> int:
         # Leave at once: the interpreter's shutdown with half-imported extension modules
         # can end the process by SIGINT after all (exit -2 seen), hiding this exit code.
         os._exit(130)
+    return main()
+
+
+def tools() -> int:
+    """``distributed-ext``: its subcommands (``convert``: :mod:`distributed_ext.convert_cli`)."""
+    try:
+        from distributed_ext.convert_cli import main
+    except KeyboardInterrupt:
+        print("\ndistributed-ext: interrupted while starting; nothing ran", file=sys.stderr)
+        return 130
     return main()
 
 

@@ -48,6 +48,29 @@ int pwrite_fully(int fd, const char* src, int64_t nbytes, int64_t offset) {
   return 0;
 }
 
+int64_t pread_into(int64_t fd, const at::Tensor& dst, int64_t offset) {
+  TORCH_CHECK_VALUE(fd >= 0, "pread_into: fd must be an open file descriptor, got ", fd);
+  TORCH_CHECK_VALUE(offset >= 0, "pread_into: offset must be >= 0, got ", offset);
+  TORCH_CHECK_VALUE(dst.device().is_cpu() && dst.is_contiguous(),
+                    "pread_into: dst must be a contiguous CPU tensor");
+  char* out = static_cast<char*>(dst.data_ptr());
+  const int64_t nbytes = static_cast<int64_t>(dst.nbytes());
+  pybind11::gil_scoped_release no_gil;
+  int64_t done = 0;
+  while (done < nbytes) {
+    const ssize_t r = ::pread(static_cast<int>(fd), out + done,
+                              static_cast<size_t>(nbytes - done),
+                              static_cast<off_t>(offset + done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return -static_cast<int64_t>(errno);
+    }
+    if (r == 0) break;  // the file ends here
+    done += r;
+  }
+  return done;
+}
+
 int64_t pwrite_segments(int64_t fd, const at::Tensor& table) {
   check_file_table(fd, table, "pwrite_segments");
   const int64_t n = table.size(0);

@@ -9,6 +9,11 @@ namespace distributed_ext {
 // 0, or the errno of the write that failed (EIO for one that wrote nothing). No GIL needed.
 int pwrite_fully(int fd, const char* src, int64_t nbytes, int64_t offset);
 
+// Reads `dst`'s bytes (a contiguous CPU tensor) from `offset` of `fd` with pread, retrying
+// short reads and EINTR, with the GIL released. Returns the bytes read: fewer than asked only
+// where the file ends first (the caller names that a truncated file); -errno on a failed read.
+int64_t pread_into(int64_t fd, const at::Tensor& dst, int64_t offset);
+
 // Writes each row (src_ptr, file_offset, nbytes) of `table` ([n, 3] int64) to the file
 // descriptor `fd` with pwrite, retrying short writes and EINTR, with the GIL released.
 // Returns 0, or the errno of the first write that failed (nothing after it is written).

@@ -101,6 +101,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Copy rows (dst_ptr, src_offset, nbytes) out of src; GIL released.");
   m.def("exchange_paths", &distributed_ext::exchange_paths, pybind11::arg("a"),
         pybind11::arg("b"), "Swap two paths atomically (renameat2 RENAME_EXCHANGE); errno or 0.");
+  m.def("pread_into", &distributed_ext::pread_into, pybind11::arg("fd"), pybind11::arg("dst"),
+        pybind11::arg("offset"),
+        "pread dst's bytes from offset of fd; GIL released; the bytes read, or -errno.");
   m.def("pwrite_segments", &distributed_ext::pwrite_segments, pybind11::arg("fd"),
         pybind11::arg("table"),
         "pwrite rows (src_ptr, file_offset, nbytes) to fd; GIL released; 0 or an errno.");

@@ -13,7 +13,7 @@ from distributed_ext.collectives import (
     broadcast_from,
     master_only,
 )
-from distributed_ext.export import export_hf_checkpoint, gather_full_state
+from distributed_ext.export import convert_dcp_to_hf, export_hf_checkpoint, gather_full_state
 from distributed_ext.fsdp import fsdp2_wrap, is_fsdp2_model
 from distributed_ext.gather import gather_bytes
 from distributed_ext.groups import DistributedProcessGroup, ParallelState
@@ -50,6 +50,7 @@ __all__ = [
     "broadcast",
     "broadcast_from",
     "build_info",
+    "convert_dcp_to_hf",
     "distributed_run",
     "distribution_plan",
     "export_hf_checkpoint",

@@ -129,6 +129,16 @@ def unpack_segments(src: torch.Tensor, segments: Segments) -> None:
     _C.unpack_segments(src, _table(segments))
 
 
+def pread_into(fd: int, dst: torch.Tensor, offset: int) -> int:
+    """Reads ``dst``'s bytes (a contiguous CPU tensor) from byte ``offset`` of ``fd``, GIL
+    released, retrying short reads; returns the bytes read (fewer only where the file ends
+    first). Raises OSError (with the errno) on a failed read."""
+    got = _C.pread_into(fd, dst, int(offset))
+    if got < 0:
+        raise OSError(-got, os.strerror(-got))
+    return got
+
+
 def pwrite_segments(fd: int, segments: Segments) -> None:
     """Writes each ``(src_ptr, file_offset, nbytes)`` to ``fd`` with pwrite, GIL released.
 

@@ -1,5 +1,5 @@
 """The package's shape, held to what docs/architecture.md draws: no import circle anywhere in
-``distributed_ext``, and the export's layers (plan < files < transport < rounds < api) each
+``distributed_ext``, and the export's layers (plan < files < transport < rounds < api < convert) each
 importing only those below it -- the plan with no process group and no files."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import distributed_ext
 
 ROOT = os.path.dirname(distributed_ext.__file__)
 # The export's layers, bottom first: a module may import its own layer and those below.
-LAYERS = ["plan", "files", "transport", "rounds", "api", "__init__"]
+LAYERS = ["plan", "files", "transport", "rounds", "api", "convert", "__init__"]
 
 
 def _modules() -> dict[str, str]:

@@ -84,6 +84,14 @@ def _load_and_export(src: str, out: str, ram: str, cases: list):
 
 
 def _torch_2d(out: str, ram: str, sequence_parallel: bool):
+    """torch's own 2-D recipe (:func:`_torch_2d_model`), written every way."""
+    model = _torch_2d_model(sequence_parallel)
+    _export_every_way(model, out, os.path.join(ram, "2d"))
+    hub = dx.gather_full_state(model, hub_keys=True)
+    return (_placements(model), hub) if dist.get_rank() == 0 else None
+
+
+def _torch_2d_model(sequence_parallel: bool = False):
     """torch's own 2-D recipe on a (dp=2, tp=2) mesh, as torchtitan applies it to a Llama."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -123,10 +131,7 @@ def _torch_2d(out: str, ram: str, sequence_parallel: bool):
                                                    desired_input_layouts=(Replicate(),))})
         parallelize_module(layer, mesh["tp"], plan)
         fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    _export_every_way(model, out, os.path.join(ram, "2d"))
-    hub = dx.gather_full_state(model, hub_keys=True)
-    return (_placements(model), hub) if dist.get_rank() == 0 else None
+    return fully_shard(model, mesh=mesh["dp"])
 
 
 def _assert_written_as(out: str, reference_dir: str, hub: dict, threads: int | None = None):

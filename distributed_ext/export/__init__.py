@@ -23,11 +23,14 @@ written tensor and the pieces it is assembled from) is the one contract between 
   link's device), :mod:`transport.transfer` (the data round), :mod:`transport.shared_blocks`
   (the shared blocks' fragments to their owners), :mod:`transport.stop` (the flag that
   stops every rank's writes once one failed).
-- :mod:`.rounds` (the agreed rounds of an export) and :mod:`.api` (the public calls).
+- :mod:`.rounds` (the agreed rounds of an export) and :mod:`.api` (the public calls);
+  :mod:`.convert` (a DCP checkpoint on disk through the same rounds: its saved chunks are
+  the holdings, :mod:`plan.saved`, read from their files, :mod:`files.saved`).
 """
 
 # The public calls, and (``X as X``: re-exported) the internals the tests reach from here.
 from distributed_ext.export.api import export_hf_checkpoint, gather_full_state
+from distributed_ext.export.convert import convert_dcp_to_hf
 from distributed_ext.export.files.sinks import FileSink as FileSink
 from distributed_ext.export.files.sinks import MemorySink as MemorySink
 from distributed_ext.export.plan.blocks import Block as Block
@@ -44,4 +47,4 @@ from distributed_ext.export.plan.safetensors import safetensors_header as safete
 from distributed_ext.export.plan.types import Entry as Entry
 from distributed_ext.export.plan.types import Piece as Piece
 
-__all__ = ["export_hf_checkpoint", "gather_full_state"]
+__all__ = ["convert_dcp_to_hf", "export_hf_checkpoint", "gather_full_state"]

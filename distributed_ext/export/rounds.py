@@ -61,7 +61,7 @@ from distributed_ext.export.plan.entries import (
     describe_state,
     resolve_state,
 )
-from distributed_ext.export.plan.holdings import agree_plan, merge_holdings
+from distributed_ext.export.plan.holdings import Holding, agree_plan, merge_holdings
 from distributed_ext.export.plan.pieces import check_keys, plan_entries
 from distributed_ext.export.plan.quantized import Quantized
 from distributed_ext.export.plan.safetensors import _DTYPE_BY_NAME
@@ -99,6 +99,10 @@ class Call:
     check: Callable[[], Any] | None = None
     writers: str = "dst"
     quantize: bool = False
+    # A checkpoint on disk instead of a model in memory (:mod:`export.convert`): its
+    # ``resolve()`` gives (each key's source, the meta model, its holdings by world size)
+    # and its ``digest`` is agreed with the arguments.
+    saved: Any = None
 
     def chunk(self) -> int:
         chunk = EXPORT_CHUNK_BYTES if self.chunk_bytes is None else self.chunk_bytes
@@ -122,6 +126,9 @@ class _Held:
     chunk: int
     described: Described
     quantized: Quantized | None
+    # Who holds which block, by the group's size, where it is not what the ranks describe
+    # (a checkpoint's saved chunks, read by the rank that is given each)
+    holdings: Callable[[int], dict[str, Holding]] | None = None
 
 
 @dataclass
@@ -207,7 +214,10 @@ def _describe(call: Call, fused: _Fused) -> _Held:
     chunk = call.chunk()
     if call.check is not None:
         call.check()
-    if fused.state is not None:  # (resolved in the quantized layers' round already)
+    holdings = None
+    if call.saved is not None:  # a checkpoint on disk: each key read where it is planned
+        state, model, holdings = call.saved.resolve()
+    elif fused.state is not None:  # (resolved in the quantized layers' round already)
         state, model = fused.state, unwrap(call.model_or_state)
     else:
         state, model = resolve_state(call.model_or_state)
@@ -218,17 +228,25 @@ def _describe(call: Call, fused: _Fused) -> _Held:
                                        quant_config=fused.config)
     recorded = recorded_plan(model) if model is not None else None
     local: dict[str, torch.Tensor] = {}  # (each key's local block, looked up once here)
-    described = describe_state(state, None if recorded is None else astuple(recorded), local)
-    # Every rank must compute the same tensors from the same calibration: agreed here.
-    described.args = _Args(call.dst, chunk, call.agreed + (
-        ("the quantized model (formats, shapes, scales)",
-         None if quantized is None else quantized.digest),) if call.quantize else call.agreed)
+    if holdings is None:
+        described = describe_state(state, None if recorded is None else astuple(recorded),
+                                   local)
+    else:  # (every rank reads the same checkpoint: its digest is agreed below)
+        described, local = Described([], b"", []), state
+    agreed = call.agreed
+    if call.quantize:  # every rank must compute the same tensors from the same calibration
+        agreed += (("the quantized model (formats, shapes, scales)",
+                    None if quantized is None else quantized.digest),)
+    if call.saved is not None:
+        agreed += (("the checkpoint (its keys, dtypes, shapes and saved chunks)",
+                    call.saved.digest),)
+    described.args = _Args(call.dst, chunk, agreed)
     if call.hub_keys and model is not None and runtime.rank() == call.dst:
         # Whether transformers converts this model's keys, decided once, on dst: its table of
         # conversions (900 regular expressions) is costly to build in each process, which
         # every rank of a host would otherwise pay at once on its cores.
         described.converts = _keys.has_conversions(model)
-    return _Held(local, model, chunk, described, quantized)
+    return _Held(local, model, chunk, described, quantized, holdings)
 
 
 def _metadata_round(call: Call, fused: _Fused, ctx: _agree.GroupContext
@@ -252,8 +270,11 @@ def _metadata_round(call: Call, fused: _Fused, ctx: _agree.GroupContext
 def _plan(call: Call, held: _Held, described: list[Described], dst_rank: int,
           ranks: list[int], keep: int | None = None, spread: bool = False) -> list[Entry]:
     """The entries, computed alike on every rank from every rank's Described."""
-    holdings = merge_holdings(described, ranks, dst_rank,
-                              agree_plan([d.plan for d in described], ranks))
+    if held.holdings is not None:
+        holdings = held.holdings(len(ranks))
+    else:
+        holdings = merge_holdings(described, ranks, dst_rank,
+                                  agree_plan([d.plan for d in described], ranks))
     written = None
     if call.hub_keys and held.model is not None:
         written = _keys.resolve_written(held.model, {

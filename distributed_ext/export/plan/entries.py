@@ -66,6 +66,8 @@ def _same_tensor(a: Any, b: Any) -> bool:
         if not (isinstance(a, dtensor) and isinstance(b, dtensor)):
             return False  # a DTensor and a plain tensor: two tensors (an untied pair)
         a, b = a.to_local(), b.to_local()
+    if a.is_meta or b.is_meta:  # (no memory to compare: a model built from its config)
+        return False
     return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride() and a.numel() > 0
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
