@@ -88,7 +88,7 @@ def _ours(base: str, out: str, repeat: int) -> list[tuple[float, int, float]]:
     import distributed_ext as dx
 
     rows = []
-    for i in range(1 + repeat):
+    for _ in range(1 + repeat):
         dist.barrier()
         rows.append(_timed(lambda: dx.convert_dcp_to_hf(
             os.path.join(base, "dcp"), out, os.path.join(base, "config"))))

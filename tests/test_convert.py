@@ -64,13 +64,12 @@ def _save_world_2(root: str, src: str) -> None:
 def _save_world_4(root: str, src: str) -> None:
     """FSDP2 at 4; torch's 2-D recipe (FSDP x TP); HSDP 2x2; a Qwen3-MoE transformers
     loaded with ep + fsdp (replicated twice), through dcp.save and through its own distributed save."""
+    from test_layouts import _torch_2d_model
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
-
-    from test_layouts import _torch_2d_model
 
     _save(get_model_state_dict(_fsdp2(build("llama"), init_device_mesh("cpu", (4,)))),
           os.path.join(root, "fsdp4"))
