@@ -12,9 +12,12 @@ DONTNEED: "cold") and its output removed after each call:
 - (a) ``dcp_to_torch_save`` + ``torch.load`` + ``save_pretrained`` in one process, what
   torchtitan's and trainers' conversion scripts do;
 - (b) torch's ``consolidate_safetensors_files`` (2 threads) on the HF-writer save, and
-  ``consolidate_safetensors_files_on_every_rank`` at ``--world``;
+  ``consolidate_safetensors_files_on_every_rank`` at ``--world`` (one output file a rank:
+  its best case), each followed by an fsync of its files (ours returns with its checkpoint
+  durable; torch's consolidation leaves its bytes in the page cache);
 - (c) the disk: the saved bytes read and written again with O_DIRECT by one process.
 
+Every route's process imports torch's DCP, transformers and safetensors before its timer.
 Each call's peak RSS growth (``VmHWM``) per rank is printed beside its seconds, and ours'
 CPU-seconds a GB. Checkpoints go under $DEXT_BENCH_DIR (default: the temp dir).
 
@@ -73,7 +76,14 @@ def _save(size: int, base: str) -> None:
 
 
 def _timed(call) -> tuple[float, int, float]:
-    """(seconds, peak RSS growth, CPU-seconds) of ``call()`` in this process."""
+    """(seconds, peak RSS growth, CPU-seconds) of ``call()`` in this process, the libraries
+    every route uses (torch's DCP, transformers, safetensors) imported before: a trainer's
+    process has them, and their import (~6 s and ~200 MiB for transformers here) is no
+    route's work."""
+    import safetensors.torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401
+
     before = _cpu()
     with PeakRSS() as rss:
         start = time.perf_counter()
@@ -118,37 +128,59 @@ def _torch_save_route(base: str, out: str) -> tuple[float, int, float]:
     return _timed(run)
 
 
+def _fsynced(call, out: str):
+    """``call``, then its output made durable (as ours returns: published, fsynced)."""
+    def run() -> None:
+        call()
+        _evict(out)  # (fsyncs each file first)
+        fd = os.open(out, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    return run
+
+
 def _consolidate(base: str, out: str) -> tuple[float, int, float]:
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files,
     )
 
-    return _timed(lambda: consolidate_safetensors_files(os.path.join(base, "hf"), out,
-                                                        num_threads=2))
+    os.makedirs(out, exist_ok=True)  # (it writes into an existing directory)
+    return _timed(_fsynced(lambda: consolidate_safetensors_files(
+        os.path.join(base, "hf"), out, _mapping(base, 1), num_threads=2), out))
 
 
-def _consolidate_every_rank(base: str, out: str) -> tuple[float, int, float]:
+def _consolidate_every_rank(base: str, out: str, world: int) -> tuple[float, int, float]:
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files_on_every_rank,
     )
 
-    return _timed(lambda: consolidate_safetensors_files_on_every_rank(
-        os.path.join(base, "hf"), out, fqn_to_index_mapping=_one_file(base)))
+    os.makedirs(out, exist_ok=True)
+    return _timed(_fsynced(lambda: consolidate_safetensors_files_on_every_rank(
+        os.path.join(base, "hf"), out, _mapping(base, world)), out))
 
 
-def _one_file(base: str) -> dict[str, int]:
-    """Every key into one output file (what the consolidation asks to be told)."""
+def _mapping(base: str, files: int) -> dict[str, int]:
+    """The keys over ``files`` output files of about equal bytes, in the saved order (what
+    the consolidation asks to be told; on every rank, one file a rank: its best case)."""
     import json
+    import math
     import struct
 
-    keys = []
+    sizes: dict[str, int] = {}
     folder = os.path.join(base, "hf")
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
             with open(os.path.join(folder, name), "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                keys += [k for k in json.loads(f.read(n)) if k != "__metadata__"]
-    return dict.fromkeys(keys, 1)
+                for k, v in json.loads(f.read(n)).items():
+                    if k != "__metadata__":
+                        sizes[k] = sizes.get(k, 0) + math.prod(v["shape"])
+    total, at, out = sum(sizes.values()) or 1, 0, {}
+    for k, n in sizes.items():
+        out[k] = 1 + min(files - 1, (at + n // 2) * files // total)
+        at += n
+    return out
 
 
 def _disk(base: str, out: str) -> tuple[float, int, float]:
@@ -178,19 +210,25 @@ def _disk(base: str, out: str) -> tuple[float, int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distributed_ext.bench.sizes import format_size, parse_size
+    from distributed_ext.bench.sizes import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="2GiB")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--only-ours", action="store_true", help="no baseline routes")
+    ap.add_argument("--keep", metavar="DIR", help="save into DIR once and keep it there "
+                    "(later runs with the same DIR reuse it)")
     args = ap.parse_args(argv)
     size = parse_size(args.size)
-    base = tempfile.mkdtemp(prefix="dext-convert-", dir=os.environ.get("DEXT_BENCH_DIR"))
+    base = args.keep or tempfile.mkdtemp(prefix="dext-convert-",
+                                         dir=os.environ.get("DEXT_BENCH_DIR"))
     out = os.path.join(base, "out")
     try:
-        for o in run_local(_save, args.world, size, base, timeout=3600):
-            assert o.ok, o.describe()
+        if not os.path.isdir(os.path.join(base, "config")):
+            os.makedirs(base, exist_ok=True)
+            for o in run_local(_save, args.world, size, base, timeout=3600):
+                assert o.ok, o.describe()
         saved = sum(os.path.getsize(os.path.join(base, "dcp", n))
                     for n in os.listdir(os.path.join(base, "dcp")))
         rows: dict[str, list] = {}
@@ -204,14 +242,25 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out, ignore_errors=True)
 
         fresh("ours", _ours, args.world, base, out, args.repeat)
-        fresh("(a) dcp_to_torch_save + torch.load + save_pretrained", _torch_save_route, 1,
-              base, out)
-        fresh("(b) consolidate_safetensors_files, 2 threads", _consolidate, 1, base, out)
-        fresh(f"(b) consolidate_safetensors_files_on_every_rank, world {args.world}",
-              _consolidate_every_rank, args.world, base, out)
-        fresh("(c) the disk: read + write O_DIRECT", _disk, 1, base, out)
+        if not args.only_ours:
+            _baselines(fresh, base, out, args.world)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    _report(rows, saved, args)
+    return 0
+
+
+def _baselines(fresh, base: str, out: str, world: int) -> None:
+    fresh("(a) dcp_to_torch_save + torch.load + save_pretrained", _torch_save_route, 1, base, out)
+    fresh("(b) consolidate_safetensors_files, 2 threads, + fsync", _consolidate, 1, base, out)
+    fresh(f"(b) consolidate_safetensors_files_on_every_rank, world {world}, + fsync",
+          _consolidate_every_rank, world, base, out, world)
+    fresh("(c) the disk: read + write O_DIRECT", _disk, 1, base, out)
+
+
+def _report(rows: dict, saved: int, args: argparse.Namespace) -> None:
+    from distributed_ext.bench.sizes import format_size
 
     st = os.statvfs(os.environ.get("DEXT_BENCH_DIR") or tempfile.gettempdir())
     print(f"{format_size(saved)} saved (fp32 Llama-shaped, FSDP2 world {args.world}); "
@@ -238,7 +287,6 @@ def main(argv: list[str] | None = None) -> int:
     cpu = [sum(r[i][2] for r in ours) / len(ours) / (saved / 1e9) for i in range(1 + args.repeat)]
     print(f"ours: {cpu[0]:.2f} CPU-s a GB a rank first, "
           f"{statistics.median(cpu[1:]) if len(cpu) > 1 else cpu[0]:.2f} warm")
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ before a byte moves (:meth:`Saved.check_files`)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -29,6 +30,8 @@ from distributed_ext.export.plan.saved import Chunk, SavedTensor
 _DTYPE_OF_CODE = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 _ZIP_MAGIC = b"PK\x03\x04"
 _SHARDING_KEY = "DCP_SHARDING_INFO"
+# What a read asks the kernel to read ahead after it (:meth:`SavedSource._read`)
+PREFETCH_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -329,11 +332,16 @@ class SavedSource:
                             f"it: {exc}") from None
                 self.located[index] = base
             out = torch.empty(count, dtype=self.saved.dtype)
-            got = _native.pread_into(fd, out.view(torch.uint8), base + first * itemsize)
+            at = base + first * itemsize
+            got = _native.pread_into(fd, out.view(torch.uint8), at)
+            # The bytes after these are most likely the next piece's (blocks are read in
+            # file order): asked of the disk now, read while these are written.
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fadvise(fd, at + got, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
         if got != count * itemsize:
             raise ValueError(f"{_show(chunk.path, self.directory)}: a short read of key "
                              f"{self.saved.key!r} ({got} of {count * itemsize} bytes at byte "
-                             f"{base + first * itemsize}): the file is truncated")
+                             f"{at}): the file is truncated")
         return out
