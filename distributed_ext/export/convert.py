@@ -75,8 +75,9 @@ def convert_dcp_to_hf(dcp_dir: str | os.PathLike[str], out_dir: str | os.PathLik
             disk, a dead rank), named; ``out_dir`` then is as it was.
 
     Memory: no rank holds a whole tensor: a saved chunk is read 16 MiB of rows at a time
-    (``plan.saved.SAVED_BLOCK_BYTES``), and the export's buffers (its docstring) come on
-    top; peak growth measured in benchmarks/RESULTS.md.
+    (``plan.saved.SAVED_BLOCK_BYTES``), a few such pieces in flight, beside the export's
+    buffers (its docstring): at most 128 MiB of peak growth a rank, whatever the size of a
+    saved chunk or of the checkpoint (tested; measured in benchmarks/RESULTS.md).
     """
     what = "convert_dcp_to_hf"
     source_dir, path = os.fspath(dcp_dir), os.fspath(out_dir)
