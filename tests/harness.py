@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from distributed_ext._spawn import PRELOAD as SPAWN_PRELOAD
 from distributed_ext._spawn import RankOutcome as RankResult
 from distributed_ext._spawn import run_local
 
@@ -35,7 +36,23 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 90.0,
     """Runs ``fn(*args)`` in ``world_size`` real processes; see the module docstring."""
     # One thread per rank: tests run many ranks on few cores.
     return run_local(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout, init=init,
-                     env={"OMP_NUM_THREADS": "1", **(env or {})}, rank_env=rank_env)
+                     env={"OMP_NUM_THREADS": "1", **(env or {})}, rank_env=rank_env,
+                     preload=PRELOAD)
+
+
+# What the ranks' forkserver imports once: torch and the package (the spawner's own), and
+# transformers' modeling code where it is installed, which most multi-rank tests build
+# models with (its import costs each rank ~3 s of CPU on two cores, where the forked ranks
+# share one).
+def _preload() -> tuple[str, ...]:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return tuple(SPAWN_PRELOAD)
+    return (*SPAWN_PRELOAD, "transformers", "transformers.modeling_utils")
+
+
+PRELOAD = _preload()
 
 
 @contextlib.contextmanager

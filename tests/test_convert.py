@@ -238,7 +238,7 @@ def _convert_measuring(dcp_dir: str, out: str, config: str) -> int:
 def test_a_rank_holds_a_few_blocks_whatever_the_size_of_a_saved_chunk(tmp_path):
     """Saved chunks of 128 MiB (an embedding and a head of 64k x 512 fp32, saved by one
     process): each rank's RSS grows by less than one of them, the 128 MiB the docstring
-    states, while it converts (86 MiB measured on 2026-12-07)."""
+    states, while it converts."""
     import torch.distributed.checkpoint as dcp
 
     model = build("llama", vocab_size=65536, hidden_size=512)

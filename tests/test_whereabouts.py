@@ -19,21 +19,24 @@ from distributed_ext._watch import whereabouts
 def _late_rank(out: str) -> float:
     dx.all_reduce("warm", lambda: 1, sum)
     if dist.get_rank() == 1:
-        time.sleep(40)  # alive (its heartbeat beats), only not in the call
+        time.sleep(11)  # alive (its heartbeat beats), only not in the call
     start = time.monotonic()
     dx.export_hf_checkpoint({f"r{dist.get_rank()}": torch.ones(1000)}, out)
     return time.monotonic() - start
 
 
-def test_a_rank_waiting_for_a_late_one_names_it_every_30_s_and_the_call_then_succeeds(tmp_path):
-    results = run_ranks(_late_rank, 2, str(tmp_path / "ckpt"), timeout=150, pg_timeout=120)
+def test_a_rank_waiting_for_a_late_one_names_it_every_interval_and_the_call_then_succeeds(
+        tmp_path):
+    # Every 5 s here (30 s by default: test_the_warning_interval_is_checked).
+    results = run_ranks(_late_rank, 2, str(tmp_path / "ckpt"), timeout=150, pg_timeout=120,
+                        env={"DISTRIBUTED_EXT_WAIT_WARNING_S": "5"})
     assert all(r.ok for r in results), [r.describe() for r in results]
-    assert results[0].value > 35  # it did wait for rank 1
+    assert results[0].value > 9  # it did wait for rank 1
     said = [line for line in results[0].output.splitlines() if "has waited" in line]
-    # One warning at 30 s (the default), naming the absent rank and where it is.
-    assert len(said) == 1, results[0].output[-3000:]
-    assert "export_hf_checkpoint (metadata)" in said[0] and "has waited 30 s for rank 1" in \
-        said[0], said[0]
+    # A warning at 5 s and at 10 s, naming the absent rank and where it is.
+    assert len(said) == 2, results[0].output[-3000:]
+    assert "has waited 5 s for rank 1" in said[0] and "has waited 10 s" in said[1], said
+    assert "export_hf_checkpoint (metadata)" in said[0], said[0]
     assert "rank 1 is in none of distributed_ext's calls since" in said[0], said[0]
     assert "its last: all_reduce('warm')" in said[0], said[0]
     assert "died" not in results[0].output and "has waited" not in results[1].output
@@ -72,7 +75,7 @@ def test_ranks_in_different_calls_raise_at_once_naming_both(other, tmp_path):
 def _never_joins() -> tuple:
     dx.all_reduce("warm", lambda: 1, sum)
     if dist.get_rank() == 1:
-        time.sleep(20)  # alive, in none of our calls, past the group's timeout
+        time.sleep(14)  # alive, in none of our calls, past the group's timeout
         return ("slept",)
     start = time.monotonic()
     try:
@@ -83,11 +86,11 @@ def _never_joins() -> tuple:
 
 
 def test_the_groups_timeout_names_our_call_and_the_absent_rank_never_only_glooos_text():
-    results = run_ranks(_never_joins, 2, timeout=90, pg_timeout=8,
+    results = run_ranks(_never_joins, 2, timeout=90, pg_timeout=5,
                         env={"DISTRIBUTED_EXT_WAIT_WARNING_S": "off"})
     assert results[1].value == ("slept",), results[1].describe()
     message, took = results[0].value
-    assert took < 15, results[0].value
+    assert took < 13, results[0].value
     assert message.startswith("all_reduce('batch_size') (status round): the process group's "
                               "timeout passed while this rank waited for rank 1"), message
     assert "rank 1 is in none of distributed_ext's calls since" in message, message
@@ -96,6 +99,8 @@ def test_the_groups_timeout_names_our_call_and_the_absent_rank_never_only_glooos
 
 
 def test_the_warning_interval_is_checked(monkeypatch):
+    monkeypatch.delenv("DISTRIBUTED_EXT_WAIT_WARNING_S", raising=False)
+    assert whereabouts._warn_every_s() == 30.0  # the default
     for raw, want in (("30", 30.0), ("2.5", 2.5), ("0", None), ("off", None)):
         monkeypatch.setenv("DISTRIBUTED_EXT_WAIT_WARNING_S", raw)
         assert whereabouts._warn_every_s() == want
