@@ -47,8 +47,7 @@ __all__ = ["ALIGN", "DirectFile", "WriteQueue", "aligned_empty", "filesystem_of"
 
 ALIGN = 4096
 # Bounce buffer per writing thread; a direct write of unaligned memory goes in its halves.
-# 16 MiB (8 MiB writes): measured, torch's FSDP x TP recipe, 1 GiB at world 4 on this VM's
-# ext4, 1.03 s a call (mean of 6) against 1.26 s (15) with 8 MiB; 32 MiB 1.02 s (15).
+# 16 MiB (8 MiB writes): faster than 8 MiB, as fast as 32 (docs/measurements.md).
 BOUNCE_BYTES = 16 * 2**20
 
 
@@ -91,11 +90,8 @@ def huge_empty(nbytes: int, shift: int = 0) -> torch.Tensor:
     nothing else changes).
 
     Why: the device gets a direct write's source as one segment per physically contiguous
-    range, so from torch's 4 KiB pages a write is hundreds of segments. Measured on this
-    project's VM (a Firecracker guest, ext4 on virtio): two processes writing 300 MB each
-    direct in 0.8 MB writes, then ``fsync``, 0.71-0.76 s from huge pages against 1.21-1.32 s
-    from fresh torch buffers (medians of alternating runs; in 16 MiB writes 0.64-0.70 s
-    against 1.18-1.47 s).
+    range, so from torch's 4 KiB pages a write is hundreds of segments; from huge pages the
+    same writes took about 0.6x the time (docs/measurements.md).
     """
     from distributed_ext import _native
 
@@ -182,9 +178,8 @@ class WriteQueue:
 
     Why: a direct write issued from Python takes the GIL back when it returns before the
     next can start. Beside a thread busy in Python (the export's staging), each write waits
-    for it: measured on the 2-core VM's ext4, both ranks replaying an export's 300 direct
-    writes of ~300 MB each, 0.97 / 0.54 s of writes alone, 2.66 / 2.28 s beside a thread
-    running Python.
+    for it, and the writes took several times as long beside a thread running Python
+    (docs/measurements.md).
 
     Lifetime rule: the bytes of a write are borrowed until :meth:`wait` covering its ticket
     (or :meth:`close`) returns; the caller leaves them unmodified until then, and the queue

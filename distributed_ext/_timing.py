@@ -72,9 +72,9 @@ def time_calls(call: Callable[[int], Any], repeat: int,
 def merge_launches(timings: list[Timing]) -> Timing:
     """The Timings of one route in several fresh launches as one: ``first`` the median of
     their first calls (each kept in ``firsts``), ``warm`` every warm call of them all. A
-    first call moves with what the machine is doing at that moment (on the 2-core VM, 0.6-1.2
-    s for the same export, the disk's own write 0.6-0.9 s): its median over launches, each
-    beside the other routes' of the same round, is the figure a comparison can stand on."""
+    first call moves with what the machine is doing at that moment (by half or more on a
+    small machine, the disk's own write as much): its median over launches, each beside the
+    other routes' of the same round, is the figure a comparison can stand on."""
     if not timings:
         raise ValueError("merge_launches: no timings")
     if len(timings) == 1:

@@ -391,8 +391,8 @@ def _fuse_quantized(model: nn.Module, group: dist.ProcessGroup | None, what: str
     on any rank, and where ``count`` is 1 (then :func:`plan.quantized.prepare` probes them
     all). Beside them, where the probes were made in the first round: this rank's model
     state, resolved there once the layers were fused (nothing changes the model after it),
-    for the metadata round to take instead of resolving it again (0.02 s a call for a 1 GiB
-    Llama; a rank's failure there is agreed as in the metadata round); else None."""
+    for the metadata round to take instead of resolving it again (a walk of the model
+    saved; a rank's failure there is agreed as in the metadata round); else None."""
     state: dict[str, Any] | None = None
     Share = tuple[dict[str, _probes.Probe] | None, dict[str, Any] | None]
 

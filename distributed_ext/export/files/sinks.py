@@ -45,9 +45,8 @@ SMALL_RUN = 64 * 2**10
 # On a RAM filesystem (the files mapped: :attr:`FileSink.mapped`), rows of at least this many
 # bytes are written with one ``pwrite`` each, the shorter ones copied into the mapping. The
 # kernel fills fresh pages in its write path, where a mapped copy of them takes a fault per
-# 4 KiB page (and the mapping's setup and TLB teardown): in the quantized FP8 export of a 1
-# GiB Llama at world 2 on tmpfs, each rank ~300 MB, 1.24-1.55 s a call against 1.47-1.65 s
-# all mapped (four calls each, two launches). Short rows (a TP layout's 2 KiB) stay mapped:
+# 4 KiB page (and the mapping's setup and TLB teardown): the quantized FP8 export on tmpfs
+# was faster so than all mapped (docs/measurements.md). Short rows (a TP layout's 2 KiB) stay mapped:
 # a syscall each would cost more than their copy.
 MAPPED_LONG_RUN = 256 * 2**10
 

@@ -23,22 +23,18 @@ it from its own rows and those the others send it and writes it once, direct whe
 the partial blocks at the tensor's ends go to dst. Replicated TP rows (HSDP x TP) likewise,
 each column block from one of its holders. Written where held instead, every rank would
 write its own few blocks between the others', a syscall per run, most bytes fragments to
-plan and send one by one (measured, 2-core VM, /dev/shm, 512 MiB of fp32 ``Shard(1)`` rows:
-2 KiB runs 1.3 s against dst's 0.7 s); by region, 1 GiB of 2 KiB rows at world 2: tmpfs
-1.04 / 0.90 s (first / warm) against dst's 1.19 / 1.10 s, ext4 1.32 / 1.17 s against 1.65 /
-1.75 s, each rank writing half and sending half its bytes. Other short runs (small tensors)
+plan and send one by one: slower than dst alone; by region, faster than dst alone, each
+rank writing half and sending half its bytes (docs/measurements.md). Other short runs (small tensors)
 still go to dst, which assembles them likewise.
 
 That needs a directory every rank sees as dst does: dst writes a probe file with a random
 token into the stage, every rank reads it back, and the answers are agreed. ``"all"`` on a
 directory some rank does not see is a ValueError on every rank naming those ranks.
 ``"auto"`` picks ``"all"`` where every rank sees the directory, else ``"dst"``. On one host
-the ranks share its disk: measured on a 2-core VM (a 1 GiB Llama-shaped FSDP2 model, first
-call / warm), world 2: ext4 all 0.81-0.94 / 0.72-0.89 s against dst 0.98-1.11 / 0.88-1.02 s,
-tmpfs 0.64-0.66 / 0.61 s against 0.72-0.80 / 0.64-0.75 s; world 4, ext4: 1.12 / 1.15 s
-against 1.49 / 1.23 s -- the filesystem being the bound (two processes writing halves of one
-tmpfs file are not faster than one: the kernel takes the file's lock for each write) --
-while dst holds 22 MiB instead of 48-112 MiB and under 320 KiB a rank crosses the link.
+the ranks share its disk, and "all" was still faster than "dst" on ext4 and tmpfs at world
+2 and 4 -- the filesystem being the bound (two processes writing halves of one tmpfs file
+are not faster than one: the kernel takes the file's lock for each write) -- while dst
+holds a fraction of the memory and almost nothing crosses the link (docs/measurements.md).
 Across hosts "all" is the one that scales (``benchmarks/RESULTS.md``).
 
 On a RAM filesystem (tmpfs, ramfs; every rank finds the stage on one, agreed in the same

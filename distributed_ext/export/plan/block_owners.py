@@ -32,12 +32,10 @@ from distributed_ext.export.plan.messages import ROW_ENTRY, ROW_NBYTES, ROW_OFFS
 # other short runs (small tensors) to dst, which assemble them into whole regions:
 # below it, a rank's runs interleave with the others' in the file, so it writes a few
 # blocks per syscall, and most of its bytes become fragments, each a row to plan, send and
-# write on its own. Measured on the 2-core machine (/dev/shm, 512 MiB of fp32 Shard(1)
-# rows, world 2, writers="all" against "dst"): 64 KiB runs 0.34 s against 0.34 s, 16 KiB
-# 0.60 s against 0.40 s, 8 KiB 1.0 s against 0.57 s, 2 KiB 1.3 s against 0.7 s (world 4,
-# FSDP x TP). The planning and the exchange take any threshold down to 512 bytes (tested);
-# across nodes, where the link costs more than the syscalls, a lower one would move fewer
-# bytes.
+# write on its own: below 64 KiB, writing short runs where they are held was slower than
+# dst's writing them (docs/measurements.md). The planning and the exchange take any
+# threshold down to 512 bytes (tested); across nodes, where the link costs more than the
+# syscalls, a lower one would move fewer bytes.
 SHORT_RUN = 64 * 2**10
 
 

@@ -274,7 +274,7 @@ def _converted_apart(model: Any, held: dict[str, tuple[torch.dtype, tuple[int, .
     converted tensor not traced to its keys): then run on every key.
 
     Why: ``revert_weight_conversion`` compiles a regular expression of every key it only
-    renames (a ``WeightRenaming`` of that key, 0.1-0.3 ms each); a quantized MoE has thousands
+    renames (a ``WeightRenaming`` of that key each); a quantized MoE has thousands
     such keys (each expert's scales) and few converted ones. For a key no converter matches,
     its result is the key through the model's renamings (``apply_renamings``), which is what
     is computed here with transformers' own functions, in its order (keys sorted by
@@ -409,7 +409,7 @@ def _may_convert(model: Any) -> bool:
     """False only where transformers' table of conversions cannot hold ``model``: no
     ``PreTrainedModel`` inside it has a class name or ``model_type`` that the table's source
     file names in quotes (every key of the table is such a literal there) or that a user
-    registered. The table itself, 900 regular expressions, costs 0.07-0.2 s to build once
+    registered. The table itself, 900 regular expressions, is costly to build once
     per process, on the critical path of a fresh rank's first export (every peer waits on
     dst's answer); a Llama, a Qwen2 or a Mistral is not in it. Where the source cannot be
     read, or names the model, the table decides (:func:`has_conversions`)."""

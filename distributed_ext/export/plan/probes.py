@@ -25,7 +25,7 @@ from distributed_ext.export.plan.shared_inputs import fuse_shared_inputs, needs_
 # A weight's probe (:func:`_probe`): ModelOpt's outputs of a few rows, in its order, each
 # (name, dtype, shape, bytes of a global output | None for a per-row one: its shape for
 # that many rows), and which outputs are per row. Plain data, not tensors: ranks hand each
-# other their share, and a tensor takes 0.1 ms to pickle and unpickle.
+# other their share, and a tensor costs far more to pickle and unpickle.
 Probe = tuple[list[tuple[str, torch.dtype, tuple[int, ...], "bytes | None"]], list[str]]
 
 def _ready(model: nn.Module, dtype: torch.dtype, pre_quant: bool | None = None) -> None:
@@ -52,8 +52,8 @@ def probe_share(model: nn.Module, state_of: Callable[[], dict[str, Any]], index:
     quantizers' buffers as they leave them: the export's plan may take it instead of asking
     again), or None where not asked; and on the last rank (``index == count - 1``) ModelOpt's
     quantization config of the model (``get_quant_config``, for :func:`prepare`'s
-    ``quant_config``): a walk of every module in ModelOpt's Python (0.06-0.15 s for a 1 GiB
-    Llama of 1056 quantizers, as much as 100-150 probes; the last rank probes less for it),
+    ``quant_config``): a walk of every module in ModelOpt's Python (as much as about a hundred probes for a
+    dense model; the last rank probes less for it),
     the same on every rank, so asked of one; else None. ValueError as :func:`prepare`'s."""
     sources = _sources(model)
     if not sources:
@@ -87,9 +87,8 @@ def _by_quantizer(units: list[tuple[_keys.Written, _Unit]]
 
 
 # What asking ModelOpt's quantization config costs (the last rank asks it), in probes: a
-# fixed part and a part a quantized module. Measured: a probe 0.5-0.6 ms, the config of a
-# 1 GiB Llama of 294 quantized linears 0.064 s (~130 probes), of a Qwen3-MoE of 30 quantized
-# modules (1940 weights: its experts' are fused) 0.027 s (~50 probes).
+# fixed part and a part a quantized module (fitted to a dense Llama and a Qwen3-MoE:
+# docs/measurements.md).
 _CONFIG_IN_PROBES = (40.0, 0.3)
 
 

@@ -101,8 +101,8 @@ def _find_sources(model: nn.Module) -> dict[str, Any]:
     for name, module in model.named_modules():
         name = drop_wrapper_parts(name, wrappers)
         # Quantizers are submodules: looked up among them first, since ModelOpt's modules
-        # answer a missing attribute in ~4 us of Python, and most modules have no quantizer
-        # (four such misses a module were half of this walk: 20 of 40 ms for a 1 GiB Llama).
+        # answer a missing attribute slowly in Python, and most modules have no quantizer
+        # (such misses were half of this walk).
         subs = module._modules
         fused = any(k.endswith("_weight_quantizers") for k in subs)
         if not fused and "weight_quantizer" not in subs:

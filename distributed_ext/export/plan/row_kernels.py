@@ -181,10 +181,10 @@ def _same_bytes_of(fn: RowsFn, modelopt_rows: RowsFn, rows: torch.Tensor) -> boo
 
 class _Tables:
     """The FP8 tables of the weights last computed (64 KiB each), at most ``count``, the
-    least recently used dropped first: a MoE has a weight per expert and projection (1940
-    on 5 layers of 128 experts: 121 MiB of tables a rank, were each kept for the export),
+    least recently used dropped first: a MoE has a weight per expert and projection (thousands
+    for a large MoE: over 100 MiB of tables a rank, were each kept for the export),
     and a weight's rows are mostly computed one message after another; a dropped table is
-    made again (0.05 ms). Thread-safe."""
+    made again (cheaply). Thread-safe."""
 
     def __init__(self, count: int) -> None:
         import collections
@@ -229,11 +229,10 @@ def keep_tables_for(fns: list[RowsFn | None]) -> None:
     needs: each FP8 weight's table where they fit in :data:`TABLES_BYTES`, else the last
     :data:`TABLES_LAST`.
 
-    Why: a rank's own rows and its shared blocks walk the weights at once, so with 64 kept
-    a 1 GiB Llama (294 weights) made 830-840 tables a call, 0.13-0.23 s of its staging
-    thread; every weight's, each was made once. A MoE (1940 weights of 5 layers of 128
-    experts) walks them expert by expert: 512 kept measured 90-110 MiB of peak RSS growth
-    a rank against 36 MiB with 64, for nothing gained."""
+    Why: a rank's own rows and its shared blocks walk the weights at once, so with too few
+    kept a dense model makes each table several times a call; every weight's, each is made
+    once. A MoE walks them expert by expert: keeping many more only adds memory
+    (docs/measurements.md)."""
     needed = sum(isinstance(fn, _Fp8Rows) and fn.quotient is None for fn in fns)
     TABLES.resize(needed if needed * TABLE_BYTES <= TABLES_BYTES else TABLES_LAST)
 

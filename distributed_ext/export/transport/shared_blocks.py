@@ -45,10 +45,8 @@ from distributed_ext.export.transport.stager import _Stager
 from distributed_ext.export.transport.stop import StopSignal
 
 # The most bytes of one message of the exchange. Its rounds go in step (every rank waits for
-# each round's messages of its peers), so a round's cost is paid per message: measured, FSDP x
-# TP 1 GiB at world 4 on tmpfs (~45 rounds a rank at 1 MiB, ~10 at 4 MiB), the first three
-# calls of fresh ranks took 0.95 s on average at 4 MiB against 1.10 s at 1 MiB, five runs
-# each, alternating (benchmarks/RESULTS.md); 8 MiB measured like 4.
+# each round's messages of its peers), so a round's cost is paid per message: 4 MiB
+# was faster than 1 MiB for FSDP x TP, 8 MiB no faster than 4 (docs/measurements.md).
 ROUND_BYTES = 4 * 2**20
 
 
