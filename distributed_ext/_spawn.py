@@ -211,8 +211,7 @@ def run_local(
     try:
         # As torchrun does: ranks sharing a host's cores take one thread each unless the
         # spawner's environment says otherwise (two each on two cores spin against each
-        # other: the 1 GiB export at world 4 took 1.5-1.9 s with two, 0.63-0.93 s with
-        # one). Passed on: the forkserver's environment is older.
+        # other: an export took twice as long). Passed on: the forkserver's environment is older.
         threads = os.environ.get("OMP_NUM_THREADS") or ("1" if world > 1 else "")
         base_env = {"GLOO_SOCKET_IFNAME": "lo"}
         if threads:

@@ -40,8 +40,8 @@ ProgressCallback = Callable[[int, int], None]
 """``progress(done, total)``: bytes received on dst from the other ranks so far, of ``total``."""
 
 # On gloo there is no device memory for chunk_bytes to bound, and smaller pieces keep the
-# transfer steady and the progress fine-grained (measured at world 2, 256 MiB per rank, warm:
-# 256 MiB pieces swung 0.13-1.17 s from call to call, 16 MiB pieces 0.11-0.32 s).
+# transfer steady and the progress fine-grained (256 MiB pieces swung far more from call to
+# call: docs/measurements.md).
 GLOO_PIECE_BYTES = 16 * 2**20
 
 
@@ -86,13 +86,10 @@ def _check_args(dst: object, chunk_bytes: object, ctx: _agree.GroupContext) -> N
 def allocate_outputs(sizes: Sequence[int], me: int) -> list[bytearray]:
     """dst's outputs, uninitialized: the ones the transport receives into advised to use
     transparent huge pages (the kernel's copy out of the socket fills them, 512x fewer page
-    faults), dst's own copy of its bytes in ordinary pages. Why the two differ (measured on
-    the 2-core VM, 256 MiB per rank, world 2, first call in fresh ranks, 8 runs each):
-    received into huge pages and dst's own copy in 4 KiB pages, median 0.207 s (0.19-0.24)
-    beside raw gloo's 0.218 s; all in huge pages 0.50 s (0.14-0.80: a user-space copy into
-    fresh huge pages stalls on this VM, whose freed memory is handed back to the host);
-    all in 4 KiB pages 0.33 s; huge pages prefaulted by several threads (the earlier way)
-    0.70 s (0.28-1.61)."""
+    faults), dst's own copy of its bytes in ordinary pages. Why the two differ: this split ran at raw gloo's
+    speed on a first call, where all in huge pages, all in 4 KiB pages or huge pages
+    prefaulted by threads were slower (a user-space copy into fresh huge pages stalls on a
+    VM whose freed memory is handed back to the host): docs/measurements.md."""
     return [_native.empty_bytearray(n, huge_pages=r != me) for r, n in enumerate(sizes)]
 
 
@@ -214,8 +211,8 @@ def gather_bytes(
     argument, an allocation that fails, a progress callback that raises on dst, a Ctrl-C that
     arrives mid-transfer (the posted transfers finish first) -- makes every rank raise (that
     rank its own error, the others a RuntimeError naming it), and the group stays usable. A
-    rank that dies is named by every survivor within seconds (RuntimeError; measured under
-    10 s), whatever the group's timeout; the group is unusable after that.
+    rank that dies is named by every survivor within seconds (RuntimeError), whatever the group's timeout; the
+    group is unusable after that.
 
     Memory at peak:
         gloo: ``dst`` holds the outputs (the sum of all sizes) and nothing else; a sender

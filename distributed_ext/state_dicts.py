@@ -25,8 +25,8 @@ def _iterate(buffers: list[bytearray | None]) -> Iterator[Any]:
 
 
 # On gloo, chunks that straddle tensors are packed on the sender; small chunks keep that
-# packing pipelined with the sends (measured at world 2, 512 MiB states: 0.55 s with 16 MiB
-# chunks, 1.05 s with 256 MiB). On NCCL a chunk is a device transfer: larger is better.
+# packing pipelined with the sends (twice as fast as 256 MiB chunks: docs/measurements.md). On NCCL a chunk is
+# a device transfer: larger is better.
 GLOO_STATE_CHUNK_BYTES = 16 * 2**20
 
 

@@ -37,15 +37,15 @@ class Transform:
         temporaries (several float32 copies, in ModelOpt's) stay those of a few MiB however
         many rows are asked for. (Computing a message's rows in one call where ``fn`` holds
         no temporaries -- the FP8 table -- was measured and not kept: each output then a
-        fresh 1.4 MiB allocation, glibc's heap grew a sender's peak RSS from 34-36 to 100-109
-        MiB at 1 GiB.) ``empty(nbytes)``: the
+        fresh allocation, glibc's heap grew a sender's peak RSS about threefold:
+        docs/measurements.md.) ``empty(nbytes)``: the
         output's bytes (uint8, on the host), where the caller wants them: at the address a
         direct write takes without a bounce copy (on a disk, a quantized weight's bytes are
         90 % of what a rank writes); where that address is not a multiple of the output's
         element size, the output goes where torch puts it instead. A ``fn`` with a
         ``rows_into(rows, first, empty)`` (not None) -- one that holds no temporaries, the
         FP8 table -- computes every row at once straight into ``empty``'s bytes: no output
-        of its own, no copy (1135 outputs a rank at 1 GiB before)."""
+        of its own, no copy (an output each before)."""
         into = getattr(self.fn, "rows_into", None)
         if into is not None and empty is not None and rows.device.type == "cpu":
             return into(rows, first, empty)

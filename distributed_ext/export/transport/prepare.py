@@ -116,8 +116,8 @@ def _prepare_transfer(state: dict[str, torch.Tensor], entries: list[Entry],
     ``local`` (``writers="all"``): every rank, dst included, writes the whole aligned
     blocks of the runs it holds itself (:attr:`_Prepared.local_messages`: a sender's
     through :meth:`_Prepared.start_local` after its transfer; dst's beside its own short
-    pieces while it receives: measured, 1 GiB at world 2 on ext4, 0.65-0.69 s a call
-    against 0.93-1.14 s written after); what travels to dst is the pieces of short runs
+    pieces while it receives: faster than writing them after, docs/measurements.md); what travels to dst is
+    the pieces of short runs
     (:func:`_short`), which it assembles into regions. The bytes of blocks that runs share
     (their fragments: :func:`edge_table`) go to each block's owner, the holder of most of
     its bytes (:attr:`_Prepared.edges`: each rank's own table; the owners are planned in
