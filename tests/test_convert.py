@@ -93,7 +93,8 @@ CASES = [("fsdp2", "llama", "model.", {}), ("fsdp2-st", "llama", "", {}),
          ("hf-tp", "llama", "", {}), ("fsdp4", "llama", "", {}), ("2d", "llama", "", {}),
          ("hsdp", "llama", "", {}), ("ep", "qwen3-moe", "", {}),
          ("hf-ep", "qwen3-moe", "", {}),
-         ("fsdp2", "llama", "model.", {"dtype": "bfloat16", "max_shard_size": "60KB"})]
+         ("fsdp2", "llama", "model.", {"dtype": "bfloat16", "max_shard_size": "60KB"}),
+         ("2d", "llama", "", {"writers": "dst"})]
 
 
 def _label(case) -> str:
