@@ -86,7 +86,9 @@ def convert_dcp_to_hf(dcp_dir: str | os.PathLike[str], out_dir: str | os.PathLik
     except (TypeError, ValueError):
         shard_value = max_shard_size
     saved = _SavedModel(source_dir, config, prefix, dtype, what)
-    agreed = (("dcp_dir", os.path.abspath(source_dir)), ("prefix", prefix),
+    # (dcp_dir is not compared: nodes may mount it at different paths; the checkpoint's
+    # digest is agreed instead)
+    agreed = (("prefix", prefix),
               ("dtype", str(dtype)), ("max_shard_size", shard_value), ("directory", path),
               ("writers", writers))
     dst = 0 if group is None else dist.get_global_rank(group, 0)
