@@ -58,7 +58,7 @@ def _evict(directory: str) -> None:
                 os.close(fd)
 
 
-def _save(size: int, base: str) -> None:
+def _save(size: int, base: str, hf: bool = True) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -69,8 +69,9 @@ def _save(size: int, base: str) -> None:
     model = build_export_model(size)
     sd = get_model_state_dict(model)
     dcp.save(sd, checkpoint_id=os.path.join(base, "dcp"))
-    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(
-        os.path.join(base, "hf"), save_distributed=True, enable_consolidation=False))
+    if hf:  # (for torch's consolidation only)
+        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(
+            os.path.join(base, "hf"), save_distributed=True, enable_consolidation=False))
     if dist.get_rank() == 0:
         model.config.save_pretrained(os.path.join(base, "config"))
 
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not os.path.isdir(os.path.join(base, "config")):
             os.makedirs(base, exist_ok=True)
-            for o in run_local(_save, args.world, size, base, timeout=3600):
+            for o in run_local(_save, args.world, size, base, not args.only_ours,
+                               timeout=3600):
                 assert o.ok, o.describe()
         saved = sum(os.path.getsize(os.path.join(base, "dcp", n))
                     for n in os.listdir(os.path.join(base, "dcp")))
