@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--world must be at least 1, got {args.world}")
     for name in ("dcp_dir", "config"):
         if not os.path.isdir(getattr(args, name)):
-            parser.error(f"{name.replace('_', '-') if name == 'config' else 'DCP_DIR'} "
+            parser.error(f"{'--config' if name == 'config' else 'DCP_DIR'} "
                          f"{getattr(args, name)!r} is not a directory")
     return args
 
