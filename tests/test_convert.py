@@ -250,3 +250,34 @@ def test_a_rank_holds_a_few_blocks_whatever_the_size_of_a_saved_chunk(tmp_path):
                                     str(tmp_path / "out"), str(tmp_path / "config"),
                                     timeout=300))
     assert all(g < 128 * 2**20 for g in grown), [g / 2**20 for g in grown]
+
+
+def _convert_past_the_check(dcp_dir: str, out: str, config: str) -> tuple:
+    """The conversion with the files' sizes not checked up front (a file truncated after the
+    plan was made): the short read is met while the bytes move."""
+    from distributed_ext.export.files import saved as saved_files
+
+    saved_files.Saved.check_files = lambda self, keys: None
+    return _convert_expecting(dcp_dir, out, config, "")
+
+
+@pytest.mark.parametrize("name, words", [
+    ("fsdp2-st", "a short read"),  # raw bytes cut short
+    ("fsdp4", "cannot be read without loading it"),  # a torch.save item's zip cut
+])
+def test_a_file_cut_while_the_bytes_move_fails_every_rank_and_publishes_nothing(
+        saved, tmp_path, name, words):
+    root, src = saved
+    shutil.copytree(_dcp_dir(root, name), tmp_path / "cut")
+    victim = sorted(n for n in os.listdir(tmp_path / "cut") if n.endswith(".distcp"))[-1]
+    with open(tmp_path / "cut" / victim, "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "cut" / victim) - 100)
+    out = tmp_path / "out"
+    results = assert_all_ok(run_ranks(_convert_past_the_check, 2, str(tmp_path / "cut"),
+                                      str(out), os.path.join(src, "llama"), timeout=120))
+    # The rank that read it raises its own error; every other one a RuntimeError naming it.
+    kinds = sorted(got[0] for got in results)
+    assert kinds == ["RuntimeError", "ValueError"], results
+    for got in results:
+        assert victim in got[1] and words in got[1], got
+    assert not out.exists() or sorted(os.listdir(out)) == [], os.listdir(out)

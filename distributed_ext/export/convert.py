@@ -71,8 +71,9 @@ def convert_dcp_to_hf(dcp_dir: str | os.PathLike[str], out_dir: str | os.PathLik
             shape or dtype kind that differs from the config's model, saved chunks that do
             not cover a tensor exactly, a saved file missing or shorter than its chunks
             reach. The message names the key and the file.
-        RuntimeError: on every rank: a rank's failure while writing (a short read, a full
-            disk, a dead rank), named; ``out_dir`` then is as it was.
+        RuntimeError: on every rank but the failing one (which raises its own error): a
+            rank's failure while the bytes move (a short read, a saved item that is not a
+            plain tensor, a full disk, a dead rank), named; ``out_dir`` then is as it was.
 
     Memory: no rank holds a whole tensor: a saved chunk is read 16 MiB of rows at a time
     (``plan.saved.SAVED_BLOCK_BYTES``), a few such pieces in flight, beside the export's
