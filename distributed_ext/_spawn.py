@@ -40,6 +40,9 @@ from distributed_ext._atomic import replacing
 __all__ = ["RankOutcome", "run_local"]
 
 PRELOAD = ("torch", "torch.distributed", "distributed_ext")
+# ... and transformers' modeling code, for ranks that build or read transformers models: one
+# import in the forkserver, shared by the forked ranks (each rank's own costs seconds of CPU).
+TRANSFORMERS_PRELOAD = (*PRELOAD, "transformers", "transformers.modeling_utils")
 
 
 @dataclass

@@ -77,13 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.world == 1:
             seconds, where = _convert(call), "1 process"
         else:
-            from distributed_ext._spawn import PRELOAD, run_local
+            from distributed_ext._spawn import TRANSFORMERS_PRELOAD, run_local
 
-            # transformers imported once, by the ranks' forkserver, not by each rank at once
             outcomes = run_local(_convert, args.world, call, timeout=args.timeout,
                                  pg_timeout=args.timeout, capture_output=False,
-                                 stop_on_sigint=True,
-                                 preload=(*PRELOAD, "transformers", "transformers.modeling_utils"))
+                                 stop_on_sigint=True, preload=TRANSFORMERS_PRELOAD)
             if any(o.interrupted for o in outcomes):
                 print("\ndistributed-ext convert: interrupted; every local rank stopped, "
                       f"{args.out_dir} as it was", file=sys.stderr)

@@ -12,6 +12,7 @@ code, plus everything the rank wrote to stdout/stderr.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -20,8 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from distributed_ext._spawn import PRELOAD as SPAWN_PRELOAD
+from distributed_ext._spawn import TRANSFORMERS_PRELOAD, run_local
 from distributed_ext._spawn import RankOutcome as RankResult
-from distributed_ext._spawn import run_local
 
 __all__ = ["REPO", "RankResult", "assert_all_ok", "free_port", "nccl_group_of_one", "outcome",
            "read_rss", "rename_failing_at", "rss_growth_during", "run_command", "run_ranks",
@@ -40,19 +41,9 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 90.0,
                      preload=PRELOAD)
 
 
-# What the ranks' forkserver imports once: torch and the package (the spawner's own), and
-# transformers' modeling code where it is installed, which most multi-rank tests build
-# models with (its import costs each rank ~3 s of CPU on two cores, where the forked ranks
-# share one).
-def _preload() -> tuple[str, ...]:
-    import importlib.util
-
-    if importlib.util.find_spec("transformers") is None:
-        return tuple(SPAWN_PRELOAD)
-    return (*SPAWN_PRELOAD, "transformers", "transformers.modeling_utils")
-
-
-PRELOAD = _preload()
+# What the ranks' forkserver imports once: transformers' modeling code too where it is
+# installed (most multi-rank tests build models with it).
+PRELOAD = TRANSFORMERS_PRELOAD if importlib.util.find_spec("transformers") else SPAWN_PRELOAD
 
 
 @contextlib.contextmanager

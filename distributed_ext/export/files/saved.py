@@ -17,8 +17,9 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +41,6 @@ class Saved:
 
     directory: str
     tensors: dict[str, SavedTensor]
-    skipped: list[str] = field(default_factory=list)  # entries under the prefix, not tensors
     digest: str = ""
 
     def check_files(self, keys: list[str]) -> None:
@@ -53,7 +53,7 @@ class Saved:
                 if c.path not in sizes:
                     try:
                         st = os.stat(c.path)
-                        sizes[c.path] = st.st_size if os.path.isfile(c.path) else None
+                        sizes[c.path] = st.st_size if stat.S_ISREG(st.st_mode) else None
                     except FileNotFoundError:
                         raise ValueError(
                             f"{_show(c.path, self.directory)} is missing, but the checkpoint's "
@@ -111,13 +111,11 @@ def _read_dcp_metadata(directory: str, prefix: str) -> Saved:
                          "wrote") from exc
     headers: dict[str, tuple[dict, int] | None] = {}
     out: dict[str, SavedTensor] = {}
-    skipped = []
     for fqn, md in metadata.state_dict_metadata.items():
         if not fqn.startswith(prefix):
             continue
         key = fqn[len(prefix):]
-        if not isinstance(md, TensorStorageMetadata):
-            skipped.append(key)
+        if not isinstance(md, TensorStorageMetadata):  # (a step counter, an object)
             continue
         shape = tuple(int(s) for s in md.size)
         dtype = md.properties.dtype
@@ -147,7 +145,7 @@ def _read_dcp_metadata(directory: str, prefix: str) -> Saved:
             else:
                 chunks.append(_header_chunk(header, fqn, path, dtype, offsets, sizes))
         out[key] = SavedTensor(key, dtype, shape, chunks)
-    return Saved(directory, out, skipped)
+    return Saved(directory, out)
 
 
 def _read_hf_shards(directory: str, prefix: str) -> Saved:
@@ -182,9 +180,9 @@ def _read_hf_shards(directory: str, prefix: str) -> Saved:
             if offsets is None:
                 raise ValueError(f"{_show(path, directory)}: key {fqn!r} has no saved_offsets "
                                  f"in its {_SHARDING_KEY}")
-            dtype = _header_dtype(entry, fqn, path, directory)
-            shape = _int_tuple(entry.get("shape"), f"{fqn!r}'s shape", path, directory)
-            offsets = _int_tuple(offsets, f"{fqn!r}'s saved_offsets", path, directory)
+            dtype = _header_dtype(entry, fqn, path)
+            shape = _int_tuple(entry.get("shape"), f"{fqn!r}'s shape", path)
+            offsets = _int_tuple(offsets, f"{fqn!r}'s saved_offsets", path)
             if len(offsets) != len(shape):
                 raise ValueError(f"{_show(path, directory)}: key {fqn!r} has saved_offsets "
                                  f"{list(offsets)} for a tensor of shape {list(shape)}")
@@ -248,11 +246,11 @@ def _header_chunk(header: tuple[dict, int], fqn: str, path: str, dtype: torch.dt
         raise ValueError(f"{path}: its header has no tensor {fqn!r}, which the checkpoint's "
                          "metadata places there; save the checkpoint again")
     where = f"{path}: tensor {fqn!r}"
-    if _header_dtype(entry, fqn, path, "") != dtype or _int_tuple(
-            entry.get("shape"), "shape", path, "") != sizes:
+    if _header_dtype(entry, fqn, path) != dtype or _int_tuple(
+            entry.get("shape"), "shape", path) != sizes:
         raise ValueError(f"{where} is {entry.get('dtype')} {entry.get('shape')} in its header, "
                          f"but the metadata says {dtype} {list(sizes)}")
-    begin, end = _int_tuple(entry.get("data_offsets"), "data_offsets", path, "")
+    begin, end = _int_tuple(entry.get("data_offsets"), "data_offsets", path)
     if end - begin != math.prod(sizes) * dtype.itemsize or begin < 0:
         raise ValueError(f"{where}: its data_offsets {[begin, end]} do not hold "
                          f"{math.prod(sizes)} elements of {dtype}")
@@ -260,7 +258,7 @@ def _header_chunk(header: tuple[dict, int], fqn: str, path: str, dtype: torch.dt
     return Chunk(offsets, sizes, path, start, end - begin, raw=True)
 
 
-def _header_dtype(entry: dict, fqn: str, path: str, directory: str) -> torch.dtype:
+def _header_dtype(entry: dict, fqn: str, path: str) -> torch.dtype:
     dtype = _DTYPE_OF_CODE.get(entry.get("dtype")) if isinstance(entry, dict) else None
     if dtype is None:
         raise ValueError(f"{path}: tensor {fqn!r} has dtype {entry.get('dtype')!r}, which "
@@ -268,7 +266,7 @@ def _header_dtype(entry: dict, fqn: str, path: str, directory: str) -> torch.dty
     return dtype
 
 
-def _int_tuple(value: object, what: str, path: str, directory: str) -> tuple[int, ...]:
+def _int_tuple(value: object, what: str, path: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise ValueError(f"{path}: {what} is {value!r}, not a list of non-negative ints")
@@ -276,8 +274,9 @@ def _int_tuple(value: object, what: str, path: str, directory: str) -> tuple[int
 
 
 class SavedSource:
-    """The saved chunks of one key, read box by box where the transport asks for a piece
-    (:func:`~distributed_ext.export.transport.stager._piece_tensor`): a box lies inside one
+    """The saved chunks of one key, read box by box where the transport slices a piece out
+    of it (:func:`~distributed_ext.export.transport.stager._piece_tensor`; its blocks always
+    name their box, :func:`plan.saved.saved_blocks`): a box lies inside one
     chunk (the plan cuts its blocks so), and is read from the file as the chunk's rows that
     hold it -- at most the plan's block, whatever the chunk's size -- then cast to ``dtype``
     where the output's dtype differs from the saved one. A plain CPU source to the transport
@@ -291,6 +290,11 @@ class SavedSource:
     def __init__(self, saved: SavedTensor, dtype: torch.dtype, directory: str) -> None:
         self.saved, self.dtype, self.directory = saved, dtype, directory
         self.located: dict[int, int] = {}  # chunk index -> file offset of its raw bytes
+        self.last = 0  # the chunk of the last box read (pieces come in its rows' order)
+
+    def __getitem__(self, local: tuple[slice, ...]) -> torch.Tensor:
+        """``source[local]``, as the transport slices a local block: :meth:`read_box`."""
+        return self.read_box(local)
 
     def read_box(self, local: tuple[slice, ...] | None) -> torch.Tensor:
         """The elements of the box ``local`` (slices in the tensor's global coordinates;
@@ -298,7 +302,9 @@ class SavedSource:
         saved = self.saved
         if local is None:
             local = tuple(slice(0, n) for n in saved.shape)
-        index, chunk = saved.chunk_holding([s.start for s in local], [s.stop for s in local])
+        index, chunk = saved.chunk_holding([s.start for s in local], [s.stop for s in local],
+                                           self.last)
+        self.last = index
         strides = [math.prod(chunk.sizes[d + 1:]) for d in range(len(chunk.sizes))]
         shape = [s.stop - s.start for s in local]
         if 0 in shape:

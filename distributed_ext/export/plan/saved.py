@@ -43,10 +43,13 @@ class SavedTensor:
     shape: tuple[int, ...]
     chunks: list[Chunk]
 
-    def chunk_holding(self, lo: list[int], hi: list[int]) -> tuple[int, Chunk]:
-        """The chunk whose box holds the box ``lo .. hi`` (and its index)."""
-        for i, c in enumerate(self.chunks):
-            if all(o <= a and b <= o + n for a, b, o, n in zip(lo, hi, c.offsets, c.sizes)):
+    def chunk_holding(self, lo: list[int], hi: list[int], first: int = 0) -> tuple[int, Chunk]:
+        """The chunk whose box holds the box ``lo .. hi`` (and its index), looked for from
+        chunk ``first`` on (a reader's last: consecutive boxes mostly share a chunk)."""
+        n = len(self.chunks)
+        for i in (j % n for j in range(first, first + n)):
+            c = self.chunks[i]
+            if all(o <= a and b <= o + k for a, b, o, k in zip(lo, hi, c.offsets, c.sizes)):
                 return i, c
         raise ValueError(f"no saved chunk of {self.key!r} holds the box {lo}..{hi}")
 

@@ -20,17 +20,10 @@ def _piece_tensor(state: dict[str, torch.Tensor], entry: Entry, piece: Piece) ->
     the device they live on: the local block itself where the piece is all of it, a view
     where they are contiguous in it, else one contiguous copy of the piece (never of more).
     A computed piece (``entry.transform``): the block it is computed from, as such a tensor
-    (:func:`_computed_bytes` computes the bytes). A source with a ``read_box`` (a saved
-    checkpoint's: :class:`~distributed_ext.export.files.saved.SavedSource`) reads the
-    piece's box from its file."""
+    (:func:`_computed_bytes` computes the bytes). A saved checkpoint's source
+    (:class:`~distributed_ext.export.files.saved.SavedSource`) is sliced alike: its
+    ``__getitem__`` reads the box from its file."""
     t = _local(state[piece.source or entry.source])
-    read_box = getattr(t, "read_box", None)
-    if read_box is not None:  # a checkpoint's saved chunk, read from its file
-        t = read_box(piece.local)
-        if piece.perm is not None:
-            t = t.permute(piece.perm)
-        t = t.reshape((piece.block if piece.src is None else piece.src).shape)
-        return t if t.is_contiguous() else t.contiguous()
     if t.requires_grad:
         t = t.detach()
     if piece.local is not None:
