@@ -262,13 +262,14 @@ def _baselines(fresh, base: str, out: str, world: int) -> None:
 
 
 def _report(rows: dict, saved: int, args: argparse.Namespace) -> None:
+    from distributed_ext.bench.resources import _filesystem
     from distributed_ext.bench.sizes import format_size
 
-    st = os.statvfs(os.environ.get("DEXT_BENCH_DIR") or tempfile.gettempdir())
-    print(f"{format_size(saved)} saved (fp32 Llama-shaped, FSDP2 world {args.world}); "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.2f}, {st.f_bsize} B blocks; saved files evicted before each "
-          "route's first call")
+    where = _filesystem(os.environ.get("DEXT_BENCH_DIR") or tempfile.gettempdir())
+    print(f"{format_size(saved)} saved (fp32 Llama-shaped, FSDP2 world {args.world}) and "
+          f"converted on {where}; {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; saved files evicted before "
+          "each route's first call; the baselines one call each")
     print("| route | first call, s (cold) | warm median, s (spread) | peak RSS growth a rank, "
           "MiB | ratio, first / warm |")
     print("|---|---|---|---|---|")
